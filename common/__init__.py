@@ -1,0 +1,1 @@
+"""Shared-memory IPC (replay buffer, weight sync, control block) used by the training scripts."""

@@ -1,0 +1,129 @@
+"""ReplayBuffer: one ring per environment in shared memory, with n-step sampling.
+
+Layout: every field has shape [num_envs, capacity_per_env, ...], so an env's transitions are
+contiguous in time. A row holds (obs, action, reward, next_obs, terminated, done), where
+`done` marks the last step of an episode (terminated or truncated) and `next_obs` is the
+true next observation (the final one at an episode end, never the reset one).
+
+Writers fill rows first and publish them afterwards by raising the per-env `written`
+counter; readers only sample rows below a counter they were given, so a row that is being
+written is never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.shm import SharedArrays, nbytes_of
+
+
+def _specs(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> dict:
+    f32 = np.float32
+    return {
+        "written": ((num_envs,), np.int64),
+        "obs": ((num_envs, capacity, obs_dim), f32),
+        "next_obs": ((num_envs, capacity, obs_dim), f32),
+        "actions": ((num_envs, capacity, act_dim), f32),
+        "rewards": ((num_envs, capacity), f32),
+        "terminated": ((num_envs, capacity), f32),
+        "dones": ((num_envs, capacity), f32),
+    }
+
+
+class ReplayBuffer:
+    """Per-env ring buffers in shared memory. Create in the learner, attach elsewhere."""
+
+    def __init__(self, arrays: SharedArrays, spec: dict):
+        self.mem, self.spec = arrays, spec
+        self.num_envs, self.capacity = spec["num_envs"], spec["capacity"]
+        for key in ("written", "obs", "next_obs", "actions", "rewards", "terminated", "dones"):
+            setattr(self, key, arrays[key])
+
+    @staticmethod
+    def nbytes(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> int:
+        """Bytes of shared memory a buffer of this shape takes."""
+        return nbytes_of(_specs(num_envs, capacity, obs_dim, act_dim))
+
+    @classmethod
+    def create(cls, num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> ReplayBuffer:
+        """Allocate a buffer of `capacity` rows per env (so num_envs * capacity in total)."""
+        spec = dict(num_envs=num_envs, capacity=capacity, obs_dim=obs_dim, act_dim=act_dim)
+        arrays = SharedArrays.create(_specs(**spec), prefix="fastrl_replay")
+        spec["name"] = arrays.name
+        return cls(arrays, spec)
+
+    @classmethod
+    def attach(cls, spec: dict, untrack: bool = False) -> ReplayBuffer:
+        """Map the buffer described by `spec` (the creator's `.spec`, a plain dict)."""
+        shape = {k: spec[k] for k in ("num_envs", "capacity", "obs_dim", "act_dim")}
+        return cls(SharedArrays.attach(spec["name"], _specs(**shape), untrack), spec)
+
+    def write(self, envs: slice, step: int, obs, actions, rewards, next_obs, terminated, dones):
+        """Write row `step` (an env-local step count, any size) of the envs in `envs`."""
+        row = step % self.capacity
+        self.obs[envs, row] = obs
+        self.actions[envs, row] = actions
+        self.rewards[envs, row] = rewards
+        self.next_obs[envs, row] = next_obs
+        self.terminated[envs, row] = terminated
+        self.dones[envs, row] = dones
+
+    def commit(self, envs: slice, written: int) -> None:
+        """Publish that rows below env-local step `written` are complete for `envs`."""
+        self.written[envs] = written
+
+    def valid_range(self, written: int, window: int, n_step: int) -> tuple[int, int]:
+        """Env-local steps [lo, hi) that may start an n-step sample.
+
+        Rows at or above `written` are not complete; the `window` rows after it may be
+        overwritten by a write in flight, which in a ring lands on the oldest rows; and a
+        start needs its n-1 successors written too.
+        """
+        lo = max(0, written + window - self.capacity)
+        return lo, written - n_step + 1
+
+    def sample(self, rng: np.random.Generator, batch_size: int, n_step: int, gamma: float,
+               written: int, window: int = 0) -> dict[str, np.ndarray]:
+        """Sample `batch_size` n-step transitions from env-local steps below `written`.
+
+        Returns obs, actions, rewards (discounted n-step sum), next_obs (the observation
+        after the last step used) and discounts (gamma**k, or 0 when that step terminated).
+        Sums stop at the first episode end, so they never cross a reset.
+        """
+        lo, hi = self.valid_range(written, window, n_step)
+        if hi <= lo:
+            raise ValueError(f"nothing to sample: steps [{lo}, {hi}) with written={written}")
+        env = rng.integers(0, self.num_envs, size=batch_size)
+        start = rng.integers(lo, hi, size=batch_size)
+        rows = (start[:, None] + np.arange(n_step)) % self.capacity  # [B, n]
+        done = self.dones[env[:, None], rows]
+        # alive[:, k] = 1 while no episode ended before step k of the window
+        alive = np.ones_like(done)
+        alive[:, 1:] = np.cumprod(1.0 - done[:, :-1], axis=1)
+        discounts = gamma ** np.arange(n_step, dtype=np.float32)
+        reward = (self.rewards[env[:, None], rows] * alive * discounts).sum(1)
+        steps = alive.sum(1).astype(np.int64)  # transitions used, 1..n
+        last = rows[np.arange(batch_size), steps - 1]
+        bootstrap = (gamma**steps) * (1.0 - self.terminated[env, last])
+        return {
+            "obs": self.obs[env, rows[:, 0]],
+            "actions": self.actions[env, rows[:, 0]],
+            "rewards": reward.astype(np.float32),
+            "next_obs": self.next_obs[env, last],
+            "discounts": bootstrap.astype(np.float32),
+        }
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Observations of env-local steps [start, stop) of every env, flattened."""
+        idx = np.arange(start, stop) % self.capacity
+        return self.obs[:, idx].reshape(-1, self.obs.shape[-1])
+
+    def close(self) -> None:
+        """Unmap in this process."""
+        self.written = self.obs = self.next_obs = self.actions = None
+        self.rewards = self.terminated = self.dones = None
+        self.mem.close()
+
+    def unlink(self) -> None:
+        """Remove the segment (creator only, once all users are done)."""
+        self.mem.unlink()
