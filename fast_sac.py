@@ -66,7 +66,7 @@ class Args:
     actor_hidden: Optional[int] = None
     """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
     critic_hidden: Optional[int] = None
-    """width of the critics' first layer; later layers halve it (default 512 CPU, 1024 GPU)"""
+    """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
 
     # algorithm
     policy_frequency: int = 2
@@ -138,7 +138,7 @@ VALUE_RANGES = {
 DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
-                  steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=512)
+                  steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=256)
 GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=32, actor_hidden=512, critic_hidden=1024)
 
@@ -198,11 +198,10 @@ def resolve_args(args: Args) -> Args:
     if capacity < 2 * chunk + args.n_step:
         raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
                         f"few for --steps-per-iter {args.steps_per_iter}; raise --buffer-size")
-    if args.batch_size * args.updates_per_iter > usable:
-        raise ArgsError(f"one iteration samples --batch-size x --updates-per-iter = "
-                        f"{args.batch_size * args.updates_per_iter} transitions but the buffer "
-                        f"can hold only {usable} sampleable ones; raise --buffer-size or "
-                        f"lower --batch-size")
+    if args.batch_size > usable:
+        raise ArgsError(f"--batch-size {args.batch_size} is larger than the {usable} transitions "
+                        f"the buffer can offer for sampling; raise --buffer-size (now "
+                        f"{args.buffer_size}) or lower --batch-size")
     env = gym.make(env_id)
     space, obs_space = env.action_space, env.observation_space
     env.close()
@@ -689,12 +688,13 @@ def train(args: Args) -> int:
         next_eval = args.eval_interval or None
         metrics = None
         normalized_upto = 0  # env-local steps already fed to the normalizer
-        version = 0
+        version = written = 0
         while True:
             if args.sync_mode == "async":
                 # free-running: train on whatever is complete; keep two chunks clear of the
                 # collector's write position because it may finish one while we sample
-                timers["wait"] += wait_until(lambda: ctrl.chunks_done > 0, proc, ctrl)
+                seen = written if written * E < args.learning_starts else 0
+                timers["wait"] += wait_until(lambda: ctrl.chunks_done * S > seen, proc, ctrl)
                 chunks = ctrl.chunks_done
                 window = 2 * S
                 if ctrl.state == FAILED:

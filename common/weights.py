@@ -67,11 +67,11 @@ class WeightSync:
         Raises LookupError if the requested version was already overwritten (the caller
         fell more than one version behind, which the sync schedules never do).
         """
-        want = int(self.latest[0]) if version is None else version
-        if want < 0:
-            return None
-        slot = want % 2
         while True:
+            want = int(self.latest[0]) if version is None else version
+            if want < 0:
+                return None
+            slot = want % 2
             before = int(self.seq[slot])
             if before % 2:
                 time.sleep(0)  # writer is mid-copy of this slot
@@ -82,6 +82,8 @@ class WeightSync:
                 continue
             if have == want:
                 return want, data
+            if version is None:
+                continue  # the writer moved on while we looked: take the newest again
             if have < want:
                 return None
             raise LookupError(f"weights version {want} was overwritten by {have}")

@@ -1,0 +1,151 @@
+import dataclasses
+import math
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fast_sac as fs
+from common.control import FINISHED, Control
+from common.replay import ReplayBuffer
+from common.weights import WeightSync
+
+
+def brute_force_projection(probs, rewards, discounts, support):
+    """Distribute each atom's mass to its two neighbours by linear interpolation."""
+    v_min, v_max, n = support[0], support[-1], len(support)
+    dz = (v_max - v_min) / (n - 1)
+    out = np.zeros_like(probs)
+    for i in range(probs.shape[0]):
+        for j in range(n):
+            tz = min(max(rewards[i] + discounts[i] * support[j], v_min), v_max)
+            b = (tz - v_min) / dz
+            lo = int(math.floor(b + 1e-9))
+            frac = b - lo
+            if lo >= n - 1:
+                out[i, n - 1] += probs[i, j]
+            else:
+                out[i, lo] += probs[i, j] * (1 - frac)
+                out[i, lo + 1] += probs[i, j] * frac
+    return out
+
+
+def test_c51_projection_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    support = torch.linspace(-10, 10, 21, dtype=torch.float64)
+    probs = torch.rand(64, 21, generator=g, dtype=torch.float64).softmax(-1)
+    rewards = torch.randn(64, generator=g, dtype=torch.float64) * 6
+    rewards[:4] = torch.tensor([0.0, 1.0, -30.0, 30.0])  # exact atom hits and clipping
+    discounts = torch.rand(64, generator=g, dtype=torch.float64)
+    discounts[:2] = 1.0
+    discounts[4] = 0.0  # terminal: all mass on the reward
+    got = fs.project(probs, rewards, discounts, support).numpy()
+    want = brute_force_projection(probs.numpy(), rewards.numpy(), discounts.numpy(),
+                                  support.numpy())
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(got.sum(1), 1.0)
+
+
+def test_normalizer_matches_numpy_over_chunks():
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(1000, 5)).astype(np.float32)
+    norm = fs.Normalizer(5)
+    for part in np.array_split(x, 7):
+        norm.update(torch.from_numpy(part))
+    np.testing.assert_allclose(norm.mean.numpy(), x.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(norm.var.numpy(), x.var(0), rtol=1e-4)
+    assert norm.count.item() == 1000
+
+
+def test_actor_log_prob_matches_change_of_variables():
+    torch.manual_seed(0)
+    low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
+    actor = fs.Actor(3, 2, 32, low, high, -5.0, 1.0)
+    x = torch.randn(4000, 3)
+    gen = torch.Generator().manual_seed(1)
+    action, log_prob = actor.sample(x, gen)
+    assert (action >= torch.tensor(low)).all() and (action <= torch.tensor(high)).all()
+    # recompute from the action: N(u; mu, std) / |d action / d u|
+    mu, log_std = actor(x)
+    y = (action - actor.bias) / actor.scale
+    u = torch.atanh(y.clamp(-0.999999, 0.999999))
+    ref = (torch.distributions.Normal(mu, log_std.exp()).log_prob(u)
+           - torch.log(actor.scale * (1 - y.square()) + 1e-6)).sum(-1)
+    ok = y.abs().max(-1).values < 0.99  # atanh is ill-conditioned at the bounds
+    torch.testing.assert_close(log_prob[ok], ref[ok], atol=2e-3, rtol=1e-3)
+
+
+def test_env_name_resolution_and_suggestions():
+    assert fs.resolve_env_id("Humanoid") == "Humanoid-v5"
+    assert fs.resolve_env_id("HalfCheetah") == "HalfCheetah-v5"
+    assert fs.resolve_env_id("Hopper-v4") == "Hopper-v4"
+    with pytest.raises(fs.ArgsError, match="HalfCheetah"):
+        fs.resolve_env_id("HalfCheeta")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(env="CartPole-v1"), "Discrete action space"),
+    (dict(batch_size=0), "--batch-size must be positive"),
+    (dict(num_envs=-1), "--num-envs must be positive"),
+    (dict(buffer_size=1000, batch_size=2000, num_envs=2), "raise --buffer-size"),
+    (dict(learning_starts=10_000, total_timesteps=5_000), "--learning-starts"),
+    (dict(v_min=5.0, v_max=1.0), "--v-min"),
+])
+def test_bad_arguments_are_rejected(changes, message):
+    args = dataclasses.replace(fs.Args(env="Pendulum", device="cpu"), **changes)
+    with pytest.raises(fs.ArgsError, match=message):
+        fs.resolve_args(args)
+
+
+def test_recipe_defaults_fill_only_unset_fields():
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", batch_size=64))
+    assert args.batch_size == 64 and args.num_envs == fs.CPU_RECIPE["num_envs"]
+    assert args.env == "Pendulum-v1" and (args.v_min, args.v_max) == fs.VALUE_RANGES["Pendulum"]
+
+
+@pytest.mark.parametrize("env_id, expect_terminations", [("Pendulum-v1", False),
+                                                          ("InvertedPendulum-v5", True)])
+def test_collector_stores_true_final_observation(env_id, expect_terminations, no_shm_leak):
+    """A real collector subprocess: transitions never span a reset; truncation is no
+    termination."""
+    args = fs.resolve_args(fs.Args(env=env_id, device="cpu", num_envs=2, steps_per_iter=50,
+                                   total_timesteps=800, learning_starts=400,
+                                   buffer_size=2000, sync_mode="lockstep",
+                                   actor_hidden=32))
+    obs_dim, act_dim, low, high = fs.env_dims(args.env)
+    rb = ReplayBuffer.create(2, 1000, obs_dim, act_dim)
+    ctrl = Control.create()
+    actor = fs.Actor(obs_dim, act_dim, 32, low, high, -5.0, 1.0)
+    ws = WeightSync.create(actor)
+    proc = mp.get_context("spawn").Process(target=fs.collector,
+                                           args=(args, rb.spec, ws.spec, ctrl.spec))
+    try:
+        proc.start()
+        for version in range(8):  # lockstep: one version per chunk
+            ws.publish(actor, version)
+            deadline = time.time() + 60
+            while ctrl.chunks_done <= version and time.time() < deadline:
+                time.sleep(0.01)
+        proc.join(30)
+        assert proc.exitcode == 0 and ctrl.state == FINISHED, ctrl.error_text()
+        n = int(rb.written[0])
+        assert n == 400
+        dones, term = rb.dones[:, :n - 1], rb.terminated[:, :n - 1]
+        continuing = np.abs(rb.next_obs[:, :n - 1] - rb.obs[:, 1:n]).max(-1) == 0
+        # within an episode next_obs is the next row's obs; at an episode end it is not
+        assert (continuing == (dones == 0)).all()
+        assert dones.sum() > 0
+        assert (term.sum() > 0) == expect_terminations
+        if not expect_terminations:  # Pendulum only truncates, every 200 steps
+            assert (term == 0).all() and dones[:, 199].all() and dones.sum() == 2
+        count, episodes = ctrl.episodes_since(0)
+        assert count == int(rb.dones[:, :n].sum())
+        assert (episodes[:, 1] > 0).all()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        for mem in (rb, ws, ctrl):
+            mem.close()
+            mem.unlink()
