@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -51,21 +51,21 @@ class Args:
     chunk i (weights one chunk stale, deterministic); async: both free-running"""
 
     # sizes; None means the recipe default for the learner's device (see README)
-    num_envs: Optional[int] = None
+    num_envs: int | None = None
     """parallel environments in the collector (default 8 on CPU, 32 on GPU)"""
-    buffer_size: Optional[int] = None
+    buffer_size: int | None = None
     """replay capacity in transitions, all envs together (default 1M)"""
-    batch_size: Optional[int] = None
+    batch_size: int | None = None
     """transitions per gradient update (default 256 on CPU, 4096 on GPU)"""
-    learning_starts: Optional[int] = None
+    learning_starts: int | None = None
     """environment steps of uniform random actions before the first update (default 5000)"""
-    steps_per_iter: Optional[int] = None
+    steps_per_iter: int | None = None
     """environment steps per env between learner iterations (default 8)"""
-    updates_per_iter: Optional[int] = None
+    updates_per_iter: int | None = None
     """gradient updates per learner iteration (default 16 on CPU, 32 on GPU)"""
-    actor_hidden: Optional[int] = None
+    actor_hidden: int | None = None
     """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
-    critic_hidden: Optional[int] = None
+    critic_hidden: int | None = None
     """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
 
     # algorithm
@@ -87,7 +87,7 @@ class Args:
     """AdamW weight decay of actor and critics"""
     alpha_init: float = 0.1
     """initial entropy temperature"""
-    target_entropy: Optional[float] = None
+    target_entropy: float | None = None
     """entropy the temperature steers towards (default: -action_dim / 2)"""
     log_std_min: float = -5.0
     """lower bound of the actor's log standard deviation"""
@@ -95,13 +95,13 @@ class Args:
     """upper bound of the actor's log standard deviation"""
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
-    v_min: Optional[float] = None
+    v_min: float | None = None
     """lowest value of the critics' support (default: per env family, see VALUE_RANGES)"""
-    v_max: Optional[float] = None
+    v_max: float | None = None
     """highest value of the critics' support (default: per env family, see VALUE_RANGES)"""
 
     # run
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """output folder (default runs/{env}__fast_sac__{seed}__{timestamp})"""
     save_interval: int = 0
     """env steps between checkpoints; 0 saves only model_final.pt"""
@@ -111,7 +111,7 @@ class Args:
     """episodes per evaluation"""
     log_interval: float = 10.0
     """seconds between console progress lines"""
-    learner_threads: Optional[int] = None
+    learner_threads: int | None = None
     """torch threads of the learner on CPU (default: cores minus the collector's one)"""
     track: bool = False
     """log to Weights & Biases (wandb is imported only then)"""
@@ -396,7 +396,8 @@ def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict) -> None
     """Step `args.num_envs` envs for all chunks, writing transitions into the replay buffer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
     torch.set_num_threads(1)
-    rb, ws, ctrl = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec), Control.attach(ctrl_spec)
+    rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
+    ctrl = Control.attach(ctrl_spec)
     parent = mp.parent_process()
     try:
         _collect(args, rb, ws, ctrl, parent)
@@ -408,7 +409,7 @@ def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict) -> None
                 mem.unlink()
         else:
             ctrl.fail(traceback.format_exc())
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         for mem in (rb, ws, ctrl):
             mem.close()

@@ -1,0 +1,166 @@
+"""Short real runs of fast_sac.py: real envs, a real collector subprocess, real shared memory."""
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SMALL, run_script, shm_files
+
+
+def read_summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def check_run_dir(run_dir, mode):
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed"
+    assert summary["sync_mode"] == mode and summary["env_id"] == "Pendulum-v1"
+    assert summary["num_updates"] > 0 and summary["total_env_steps"] >= 1000
+    assert summary["final_eval_return"] is not None and summary["wall_time_s"] > 0
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
+    ckpt = torch.load(os.path.join(run_dir, "model_final.pt"), weights_only=False)
+    for key in ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt",
+                "log_alpha", "args", "global_step", "num_updates"):
+        assert key in ckpt
+    assert "normalizer.mean" in ckpt["actor"] and ckpt["actor"]["normalizer.count"] > 0
+    return ckpt
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
+def test_same_seed_gives_identical_parameters(mode, tmp_path, no_shm_leak):
+    params = []
+    for name in ("a", "b"):
+        run_dir = str(tmp_path / name)
+        res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
+                         "--run-dir", run_dir)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "final eval" in res.stdout
+        params.append(check_run_dir(run_dir, mode))
+    a, b = params
+    assert a["num_updates"] == b["num_updates"]
+    for net in ("actor", "critics"):
+        for key in a[net]:
+            assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs between runs"
+
+
+def test_async_mode_trains_and_logs_update_ratio(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
+                     "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_run_dir(run_dir, "async")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("charts/update_to_data", "charts/SPS", "charts/episodic_return",
+                "losses/qf_loss", "losses/actor_loss", "losses/alpha", "perf/updates_per_sec",
+                "perf/learn_time", "perf/wait_time", "perf/sync_time", "eval/episodic_return"):
+        assert tag in tags, tag
+    assert events.Scalars("charts/update_to_data")[-1].value > 0
+
+
+def test_unknown_env_fails_fast_with_suggestion(no_shm_leak, tmp_path):
+    res = run_script("fast_sac.py", "--env", "HalfCheeta", "--run-dir", str(tmp_path / "r"))
+    assert res.returncode == 2
+    assert "unknown environment 'HalfCheeta'" in res.stderr and "HalfCheetah-v5" in res.stderr
+    assert not (tmp_path / "r").exists()  # nothing was started or written
+
+
+def start_run(tmp_path, *extra):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--total-timesteps",
+         "10000000", "--run-dir", run_dir, *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until gradient updates are happening
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        line = proc.stdout.readline() if ready else ""
+        m = re.search(r"updates\s+([\d,]+)", line)
+        if m and int(m.group(1).replace(",", "")) > 0:
+            return proc, run_dir
+        assert proc.poll() is None, proc.stderr.read()
+    proc.kill()
+    raise AssertionError("run never reached gradient updates")
+
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(p) for p in f.read().split()]
+    out = []
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline") as f:
+                if "spawn_main" in f.read():
+                    out.append(kid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] == "Z"
+
+
+def wait_gone(pid, seconds):
+    deadline = time.time() + seconds
+    while time.time() < deadline and not gone(pid):
+        time.sleep(0.1)
+    return gone(pid)
+
+
+def test_collector_killed_learner_exits_nonzero(tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path)
+    (collector,) = children(proc.pid)
+    os.kill(collector, signal.SIGKILL)
+    t0 = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 10
+    assert proc.returncode != 0
+    assert "collector failed" in err
+    assert read_summary(run_dir)["status"] == "failed"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_checkpoint_and_cleans_up(sig, tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path)
+    (collector,) = children(proc.pid)
+    proc.send_signal(sig)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert read_summary(run_dir)["status"] == "interrupted"
+    ckpts = [f for f in os.listdir(run_dir) if f.startswith("checkpoint_")]
+    assert len(ckpts) == 1 and ckpts[0].endswith(".pt")
+    state = torch.load(os.path.join(run_dir, ckpts[0]), weights_only=False)
+    assert state["num_updates"] > 0
+    assert wait_gone(collector, 5)
+
+
+def test_learner_killed_collector_exits_and_removes_memory(tmp_path):
+    before = shm_files()
+    proc, _ = start_run(tmp_path)
+    (collector,) = children(proc.pid)
+    assert shm_files() - before  # the run's segments exist
+    proc.kill()
+    proc.wait()
+    assert wait_gone(collector, 10), "collector outlived its learner"
+    deadline = time.time() + 10
+    while shm_files() - before and time.time() < deadline:
+        time.sleep(0.1)
+    assert not shm_files() - before
