@@ -3,12 +3,14 @@
 import json
 import os
 
+import pytest
 from conftest import run_script
 
 
-def test_pendulum_learns(tmp_path, no_shm_leak):
+@pytest.mark.parametrize("script", ["fast_sac.py", "fast_td3.py"])
+def test_pendulum_learns(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
-    res = run_script("fast_sac.py", "--env", "Pendulum-v1", "--total-timesteps", "6000",
+    res = run_script(script, "--env", "Pendulum-v1", "--total-timesteps", "6000",
                      "--learning-starts", "1000", "--num-envs", "4", "--sync-mode", "lockstep",
                      "--eval-episodes", "10", "--eval-interval", "0", "--seed", "1",
                      "--run-dir", run_dir, timeout=600)

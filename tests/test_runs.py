@@ -1,4 +1,4 @@
-"""Short real runs of fast_sac.py: real envs, a real collector subprocess, real shared memory."""
+"""Short real runs of each script: real envs, a real collector subprocess, real shared memory."""
 
 import json
 import os
@@ -19,7 +19,7 @@ def read_summary(run_dir):
         return json.load(f)
 
 
-def check_run_dir(run_dir, mode):
+def check_run_dir(run_dir, mode, script):
     summary = read_summary(run_dir)
     assert summary["status"] == "completed"
     assert summary["sync_mode"] == mode and summary["env_id"] == "Pendulum-v1"
@@ -27,23 +27,30 @@ def check_run_dir(run_dir, mode):
     assert summary["final_eval_return"] is not None and summary["wall_time_s"] > 0
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
     ckpt = torch.load(os.path.join(run_dir, "model_final.pt"), weights_only=False)
-    for key in ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt",
-                "log_alpha", "args", "global_step", "num_updates"):
+    for key in ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "args",
+                "global_step", "num_updates"):
         assert key in ckpt
+    assert ckpt["script"] == script.removesuffix(".py")
+    if script == "fast_sac.py":
+        assert "log_alpha" in ckpt and "alpha_opt" in ckpt
     assert "normalizer.mean" in ckpt["actor"] and ckpt["actor"]["normalizer.count"] > 0
     return ckpt
 
 
+SCRIPTS = ["fast_sac.py", "fast_td3.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
-def test_same_seed_gives_identical_parameters(mode, tmp_path, no_shm_leak):
+def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_leak):
     params = []
     for name in ("a", "b"):
         run_dir = str(tmp_path / name)
-        res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
+        res = run_script(script, *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
                          "--run-dir", run_dir)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "final eval" in res.stdout
-        params.append(check_run_dir(run_dir, mode))
+        params.append(check_run_dir(run_dir, mode, script))
     a, b = params
     assert a["num_updates"] == b["num_updates"]
     for net in ("actor", "critics"):
@@ -51,35 +58,38 @@ def test_same_seed_gives_identical_parameters(mode, tmp_path, no_shm_leak):
             assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs between runs"
 
 
-def test_async_mode_trains_and_logs_update_ratio(tmp_path, no_shm_leak):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_async_mode_trains_and_logs_update_ratio(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
-    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
+    res = run_script(script, *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
                      "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
-    check_run_dir(run_dir, "async")
+    check_run_dir(run_dir, "async", script)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(run_dir)
     events.Reload()
     tags = events.Tags()["scalars"]
     for tag in ("charts/update_to_data", "charts/SPS", "charts/episodic_return",
-                "losses/qf_loss", "losses/actor_loss", "losses/alpha", "perf/updates_per_sec",
+                "losses/qf_loss", "losses/actor_loss", "perf/updates_per_sec",
                 "perf/learn_time", "perf/wait_time", "perf/sync_time", "eval/episodic_return"):
         assert tag in tags, tag
     assert events.Scalars("charts/update_to_data")[-1].value > 0
+    assert ("losses/alpha" in tags) == (script == "fast_sac.py")
 
 
-def test_unknown_env_fails_fast_with_suggestion(no_shm_leak, tmp_path):
-    res = run_script("fast_sac.py", "--env", "HalfCheeta", "--run-dir", str(tmp_path / "r"))
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_unknown_env_fails_fast_with_suggestion(script, no_shm_leak, tmp_path):
+    res = run_script(script, "--env", "HalfCheeta", "--run-dir", str(tmp_path / "r"))
     assert res.returncode == 2
     assert "unknown environment 'HalfCheeta'" in res.stderr and "HalfCheetah-v5" in res.stderr
     assert not (tmp_path / "r").exists()  # nothing was started or written
 
 
-def start_run(tmp_path, *extra):
+def start_run(tmp_path, script, *extra):
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--total-timesteps",
+        [sys.executable, os.path.join(ROOT, script), *SMALL, "--total-timesteps",
          "10000000", "--run-dir", run_dir, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -125,8 +135,9 @@ def wait_gone(pid, seconds):
     return gone(pid)
 
 
-def test_collector_killed_learner_exits_nonzero(tmp_path, no_shm_leak):
-    proc, run_dir = start_run(tmp_path)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path, script)
     (collector,) = children(proc.pid)
     os.kill(collector, signal.SIGKILL)
     t0 = time.time()
@@ -138,8 +149,9 @@ def test_collector_killed_learner_exits_nonzero(tmp_path, no_shm_leak):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_checkpoint_and_cleans_up(sig, tmp_path, no_shm_leak):
-    proc, run_dir = start_run(tmp_path)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path, script)
     (collector,) = children(proc.pid)
     proc.send_signal(sig)
     proc.communicate(timeout=30)
@@ -152,9 +164,10 @@ def test_signal_saves_checkpoint_and_cleans_up(sig, tmp_path, no_shm_leak):
     assert wait_gone(collector, 5)
 
 
-def test_learner_killed_collector_exits_and_removes_memory(tmp_path):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_learner_killed_collector_exits_and_removes_memory(script, tmp_path):
     before = shm_files()
-    proc, _ = start_run(tmp_path)
+    proc, _ = start_run(tmp_path, script)
     (collector,) = children(proc.pid)
     assert shm_files() - before  # the run's segments exist
     proc.kill()
