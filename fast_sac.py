@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from common.control import COLLECT_S, FAILED, FINISHED, WEIGHT_LOAD_S, WEIGHT_WAIT_S, Control
 from common.replay import ReplayBuffer
+from common.shm import check_shm_space
 from common.weights import WeightSync
 
 
@@ -212,6 +213,11 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"{env_id} must have a flat Box observation space, got {obs_space}")
     if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
         raise ArgsError(f"{env_id} has unbounded actions; FastSAC squashes into finite bounds")
+    try:  # a default Docker container has only 64 MiB of /dev/shm
+        check_shm_space(ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0],
+                                            space.shape[0]), "The replay buffer")
+    except MemoryError as e:
+        raise ArgsError(str(e)) from None
     return args
 
 
@@ -253,12 +259,16 @@ class Normalizer(nn.Module):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
-        n = x.shape[0]
+        self.merge(x.shape[0], x.mean(0), x.var(0, unbiased=False))
+
+    @torch.no_grad()
+    def merge(self, n, mean: torch.Tensor, var: torch.Tensor) -> None:
+        """Fold in the statistics (count, mean, variance) of n new observations."""
         total = self.count + n
-        delta = x.mean(0) - self.mean
+        delta = mean - self.mean
         # parallel merge of two (mean, var, count) summaries
         self.var.mul_(self.count / total).add_(
-            x.var(0, unbiased=False) * (n / total) + delta.square() * (self.count * n / total**2))
+            var * (n / total) + delta.square() * (self.count * n / total**2))
         self.mean.add_(delta * (n / total))
         self.count.fill_(total)
 

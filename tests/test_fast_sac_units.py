@@ -91,6 +91,7 @@ def test_env_name_resolution_and_suggestions():
     (dict(buffer_size=1000, batch_size=2000, num_envs=2), "raise --buffer-size"),
     (dict(learning_starts=10_000, total_timesteps=5_000), "--learning-starts"),
     (dict(v_min=5.0, v_max=1.0), "--v-min"),
+    (dict(buffer_size=10**10), "shared memory but /dev/shm has only"),
 ])
 def test_bad_arguments_are_rejected(changes, message):
     args = dataclasses.replace(fs.Args(env="Pendulum", device="cpu"), **changes)

@@ -1,0 +1,150 @@
+"""torch.distributed helpers for training under torchrun.
+
+`init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK) and picks NCCL when CUDA is available, gloo otherwise, so the same code runs in
+CPU tests. Without torchrun it returns a single-process `DistInfo` and every helper here
+becomes a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global and per-node ranks, node index and device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    backend: str | None = None
+    device: str = "cpu"
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) -> DistInfo:
+    """Join the process group that torchrun set up; a single process without torchrun.
+
+    backend: "auto" (nccl with CUDA, else gloo), "nccl" or "gloo".
+    device: "auto", "cuda" or "cpu"; with CUDA each local rank takes GPU `local_rank`.
+    Raises RuntimeError with the command to use when the environment asks for several
+    processes but was not set up by torchrun.
+    """
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for several processes, but this "
+                "one was not started by torchrun (RANK or MASTER_ADDR is missing). Start it "
+                "with: torchrun --nproc_per_node N fast_sac_multigpu.py ...")
+        return DistInfo(device="cuda:0" if cuda else "cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    node_rank = int(os.environ.get("GROUP_RANK", str(rank // local_world)))
+    num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", str(world // local_world)))
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise RuntimeError("--dist-backend nccl needs CUDA devices; use gloo on CPU")
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no GPU: only "
+                               f"{torch.cuda.device_count()} visible; lower --nproc_per_node")
+        torch.cuda.set_device(local_rank)
+    dev = f"cuda:{local_rank}" if cuda else "cpu"
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistInfo(rank, world, local_rank, local_world, node_rank, num_nodes, backend, dev)
+
+
+def share_with_node(info: DistInfo, key: str, value: dict | None) -> dict:
+    """Local rank 0 passes `value` (JSON-able) to the other ranks of its node.
+
+    It travels through the torchrun store that the process group was built on, keyed by
+    node, so nothing assumes how hosts are named.
+    """
+    if not info.distributed:
+        return value
+    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001
+    name = f"fastrl/node{info.node_rank}/{key}"
+    if info.local_rank == 0:
+        store.set(name, json.dumps(value))
+        return value
+    return json.loads(store.get(name))  # blocks until local rank 0 has set it
+
+
+def broadcast_(tensors: Iterable[torch.Tensor], info: DistInfo, src: int = 0) -> None:
+    """Overwrite `tensors` on every rank with rank `src`'s values (in place)."""
+    if info.distributed:
+        for t in tensors:
+            dist.broadcast(t.data, src)
+
+
+def allreduce_grads_(params: Iterable[torch.Tensor], info: DistInfo) -> None:
+    """Average the gradients of `params` over all ranks with one flat all-reduce."""
+    if not info.distributed:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(info.world_size)
+    for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(avg)
+
+
+def allreduce_sum_(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place; returns it."""
+    if info.distributed:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def allreduce_min(value: int, info: DistInfo) -> int:
+    """The smallest `value` over all ranks (ranks use it to agree on progress)."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def param_hash(modules: Iterable[torch.nn.Module]) -> str:
+    """A short hash of the modules' parameters and buffers (bitwise)."""
+    h = hashlib.sha256()
+    for module in modules:
+        for name, t in module.state_dict().items():
+            h.update(name.encode())
+            h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def gather_strings(value: str, info: DistInfo) -> list[str]:
+    """`value` from every rank, in rank order."""
+    if not info.distributed:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def shutdown(info: DistInfo) -> None:
+    """Leave the process group (safe to call when none was joined)."""
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,964 @@
+"""FastSAC on several GPUs (or CPU processes) under torchrun: fast_sac.py plus distribution.
+
+    torchrun --nproc_per_node 4 fast_sac_multigpu.py --env Humanoid
+    torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --nproc_per_node 4 \
+        fast_sac_multigpu.py --env Humanoid
+
+Every rank is a learner. Local rank 0 of each node creates that node's replay buffer and
+weight buffer and starts its collector; the node's other ranks attach by name. Each rank
+samples its own mini-batches, gradients are averaged with one all-reduce per optimizer step,
+and so parameters stay identical on all ranks. Global rank 0 logs, evaluates and saves.
+`diff fast_sac.py fast_sac_multigpu.py` shows what distribution changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import dist as D
+from common.control import COLLECT_S, FAILED, FINISHED, WEIGHT_LOAD_S, WEIGHT_WAIT_S, Control
+from common.replay import ReplayBuffer
+from common.shm import check_shm_space
+from common.weights import WeightSync
+
+
+@dataclass
+class Args:
+    env: str = "Humanoid"
+    """gymnasium id; a short name such as Humanoid resolves to the newest version (Humanoid-v5)"""
+    seed: int = 1
+    """seed of networks, sampling, exploration and environments"""
+    total_timesteps: int = 1_000_000
+    """environment steps to collect, summed over all envs"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where the learner runs; auto picks cuda when available. The collector is always CPU"""
+    sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
+    """lockstep: collect and learn in turn; pipelined: collect chunk i+1 while learning on
+    chunk i (weights one chunk stale, deterministic); async: both free-running"""
+
+    # sizes; None means the recipe default for the learner's device (see README)
+    num_envs: int | None = None
+    """parallel environments in the collector (default 8 on CPU, 32 on GPU)"""
+    buffer_size: int | None = None
+    """replay capacity in transitions, all envs together (default 1M)"""
+    batch_size: int | None = None
+    """transitions per gradient update on each rank: N ranks train on N times this many per
+    update (default 256 on CPU, 4096 on GPU)"""
+    learning_starts: int | None = None
+    """environment steps of uniform random actions before the first update (default 5000)"""
+    steps_per_iter: int | None = None
+    """environment steps per env between learner iterations (default 8)"""
+    updates_per_iter: int | None = None
+    """gradient updates per learner iteration (default 16 on CPU, 32 on GPU)"""
+    actor_hidden: int | None = None
+    """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
+    critic_hidden: int | None = None
+    """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
+
+    # algorithm
+    policy_frequency: int = 2
+    """critic updates per actor (and temperature) update"""
+    gamma: float = 0.99
+    """discount factor"""
+    tau: float = 0.01
+    """soft target update rate: target <- target + tau * (online - target)"""
+    n_step: int = 3
+    """n-step returns; sums stop at episode ends"""
+    actor_lr: float = 3e-4
+    """actor learning rate (AdamW)"""
+    critic_lr: float = 3e-4
+    """critic learning rate (AdamW)"""
+    alpha_lr: float = 3e-4
+    """temperature learning rate"""
+    weight_decay: float = 0.001
+    """AdamW weight decay of actor and critics"""
+    alpha_init: float = 0.1
+    """initial entropy temperature"""
+    target_entropy: float | None = None
+    """entropy the temperature steers towards (default: -action_dim / 2)"""
+    log_std_min: float = -5.0
+    """lower bound of the actor's log standard deviation"""
+    log_std_max: float = 1.0
+    """upper bound of the actor's log standard deviation"""
+    num_atoms: int = 101
+    """atoms of the distributional (C51) critics"""
+    v_min: float | None = None
+    """lowest value of the critics' support (default: per env family, see VALUE_RANGES)"""
+    v_max: float | None = None
+    """highest value of the critics' support (default: per env family, see VALUE_RANGES)"""
+
+    # run
+    run_dir: str | None = None
+    """output folder (default runs/{env}__fast_sac_multigpu__{seed}__{timestamp})"""
+    save_interval: int = 0
+    """env steps between checkpoints; 0 saves only model_final.pt"""
+    eval_interval: int = 50_000
+    """env steps between deterministic evaluations; 0 evaluates only at the end"""
+    eval_episodes: int = 5
+    """episodes per evaluation"""
+    log_interval: float = 10.0
+    """seconds between console progress lines"""
+    learner_threads: int | None = None
+    """torch threads of the learner on CPU (default: all cores up to 4, else cores - 1)"""
+    track: bool = False
+    """log to Weights & Biases (wandb is imported only then)"""
+    wandb_project: str = "fast-rl"
+    """wandb project name"""
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto is nccl with CUDA, gloo otherwise"""
+    dist_timeout: float = 120.0
+    """seconds a collective may wait for the other ranks before failing"""
+
+
+# Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
+# returns the task can produce, about reward_per_step / (1 - gamma).
+VALUE_RANGES = {
+    "Pendulum": (-1700.0, 0.0),
+    "HalfCheetah": (-200.0, 1500.0),
+    "Humanoid": (-100.0, 1000.0),
+    "HumanoidStandup": (0.0, 20000.0),
+    "Hopper": (-100.0, 500.0),
+    "Walker2d": (-100.0, 700.0),
+    "Ant": (-200.0, 800.0),
+    "Swimmer": (-50.0, 200.0),
+    "InvertedPendulum": (0.0, 110.0),
+    "InvertedDoublePendulum": (0.0, 1000.0),
+    "Reacher": (-100.0, 0.0),
+    "Pusher": (-200.0, 0.0),
+}
+DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
+
+CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
+                  steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=256)
+GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_starts=5000,
+                  steps_per_iter=8, updates_per_iter=32, actor_hidden=512, critic_hidden=1024)
+
+
+class ArgsError(ValueError):
+    """Bad command-line input, reported before any process starts."""
+
+
+def resolve_env_id(name: str) -> str:
+    """A registered id as given, or the newest version of a short name (Humanoid -> -v5)."""
+    if name in gym.registry:
+        return name
+    versions = [(int(m.group(1)), k) for k in gym.registry
+                if (m := re.fullmatch(re.escape(name) + r"-v(\d+)", k))]
+    if versions:
+        return max(versions)[1]
+    close = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise ArgsError(f"unknown environment '{name}'.{hint}")
+
+
+def resolve_args(args: Args) -> Args:
+    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError."""
+    env_id = resolve_env_id(args.env)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ArgsError("--device cuda was asked for but torch sees no CUDA device; "
+                        "use --device cpu (or auto)")
+    device = "cuda" if args.device == "cuda" or (
+        args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    recipe = GPU_RECIPE if device == "cuda" else CPU_RECIPE
+    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
+    family = env_id.split("-v")[0]
+    v_min, v_max = VALUE_RANGES.get(family, DEFAULT_VALUE_RANGE)
+    args = dataclasses.replace(args, env=env_id, device=device, **filled,
+                               v_min=v_min if args.v_min is None else args.v_min,
+                               v_max=v_max if args.v_max is None else args.v_max)
+
+    for field in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "steps_per_iter",
+                  "updates_per_iter", "actor_hidden", "critic_hidden", "policy_frequency",
+                  "n_step", "num_atoms", "eval_episodes"):
+        if getattr(args, field) <= 0:
+            raise ArgsError(f"--{field.replace('_', '-')} must be positive, "
+                            f"got {getattr(args, field)}")
+    for field in ("learning_starts", "save_interval", "eval_interval"):
+        if getattr(args, field) < 0:
+            raise ArgsError(f"--{field.replace('_', '-')} must be >= 0")
+    if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
+        raise ArgsError("--gamma and --tau must lie in (0, 1]")
+    if args.v_min >= args.v_max:
+        raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
+    if args.learning_starts >= args.total_timesteps:
+        raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
+                        f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
+    capacity = args.buffer_size // args.num_envs
+    chunk = args.steps_per_iter * (2 if args.sync_mode == "async" else 1)
+    usable = (capacity - chunk - args.n_step + 1) * args.num_envs
+    if capacity < 2 * chunk + args.n_step:
+        raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
+                        f"few for --steps-per-iter {args.steps_per_iter}; raise --buffer-size")
+    if args.batch_size > usable:
+        raise ArgsError(f"--batch-size {args.batch_size} is larger than the {usable} transitions "
+                        f"the buffer can offer for sampling; raise --buffer-size (now "
+                        f"{args.buffer_size}) or lower --batch-size")
+    env = gym.make(env_id)
+    space, obs_space = env.action_space, env.observation_space
+    env.close()
+    if not isinstance(space, gym.spaces.Box):
+        raise ArgsError(f"{env_id} has a {type(space).__name__} action space; FastSAC needs "
+                        "continuous (Box) actions")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        raise ArgsError(f"{env_id} must have a flat Box observation space, got {obs_space}")
+    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+        raise ArgsError(f"{env_id} has unbounded actions; FastSAC squashes into finite bounds")
+    try:  # a default Docker container has only 64 MiB of /dev/shm
+        check_shm_space(ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0],
+                                            space.shape[0]), "The replay buffer")
+    except MemoryError as e:
+        raise ArgsError(str(e)) from None
+    return args
+
+
+# ---------------------------------------------------------------------------------------
+# environments
+
+
+def make_env(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
+    """A synchronous vector env that resets finished envs within the same step.
+
+    SAME_STEP autoreset returns the reset observation at once and puts the true last
+    observation in info["final_obs"], so every step is a storable transition.
+    """
+    return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+
+
+def env_dims(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:
+    env = gym.make(env_id)
+    obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
+    low, high = env.action_space.low.astype(np.float32), env.action_space.high.astype(np.float32)
+    env.close()
+    return obs_dim, act_dim, low, high
+
+
+# ---------------------------------------------------------------------------------------
+# networks
+
+
+class Normalizer(nn.Module):
+    """Running mean/variance of observations; its buffers travel with the actor's weights."""
+
+    def __init__(self, dim: int, clip: float = 10.0):
+        super().__init__()
+        self.clip = clip
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        self.merge(x.shape[0], x.mean(0), x.var(0, unbiased=False))
+
+    @torch.no_grad()
+    def merge(self, n, mean: torch.Tensor, var: torch.Tensor) -> None:
+        """Fold in the statistics (count, mean, variance) of n new observations."""
+        total = self.count + n
+        delta = mean - self.mean
+        # parallel merge of two (mean, var, count) summaries
+        self.var.mul_(self.count / total).add_(
+            var * (n / total) + delta.square() * (self.count * n / total**2))
+        self.mean.add_(delta * (n / total))
+        self.count.fill_(total)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) * torch.rsqrt(self.var + 1e-8)).clamp(-self.clip, self.clip)
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.LayerNorm(b), nn.SiLU()]
+    return nn.Sequential(*layers)
+
+
+class Actor(nn.Module):
+    """Tanh-squashed Gaussian policy with bounded log-std and an input normalizer."""
+
+    def __init__(self, obs_dim, act_dim, hidden, low, high, log_std_min, log_std_max):
+        super().__init__()
+        self.normalizer = Normalizer(obs_dim)
+        self.trunk = mlp([obs_dim, hidden, hidden // 2, hidden // 4])
+        self.mu = nn.Linear(hidden // 4, act_dim)
+        self.log_std = nn.Linear(hidden // 4, act_dim)
+        self.log_std_min, self.log_std_max = log_std_min, log_std_max
+        self.register_buffer("scale", torch.as_tensor((high - low) / 2))
+        self.register_buffer("bias", torch.as_tensor((high + low) / 2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and log-std of the pre-tanh Gaussian, from a normalized observation."""
+        h = self.trunk(x)
+        squashed = torch.tanh(self.log_std(h))
+        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (squashed + 1)
+        return self.mu(h), log_std
+
+    def sample(self, x: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Action in env units and its log-probability, from a normalized observation."""
+        mu, log_std = self(x)
+        std = log_std.exp()
+        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=mu.dtype)
+        u = mu + std * eps
+        y = torch.tanh(u)
+        # Gaussian log-density minus the log-Jacobian of tanh and of the affine rescale
+        log_prob = (-0.5 * eps.square() - log_std - 0.5 * math.log(2 * math.pi)
+                    - torch.log(self.scale * (1 - y.square()) + 1e-6)).sum(-1)
+        return y * self.scale + self.bias, log_prob
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, deterministic: bool = False, generator=None):
+        """Action for raw observations (normalized here)."""
+        x = self.normalizer(obs)
+        if deterministic:
+            return torch.tanh(self(x)[0]) * self.scale + self.bias
+        return self.sample(x, generator)[0]
+
+
+def make_actor(args: Args, obs_dim: int, act_dim: int, low, high) -> Actor:
+    return Actor(obs_dim, act_dim, args.actor_hidden, low, high, args.log_std_min,
+                 args.log_std_max)
+
+
+class EnsembleLinear(nn.Module):
+    """K independent linear layers applied as one batched matmul to input [K, B, in]."""
+
+    def __init__(self, k: int, n_in: int, n_out: int):
+        super().__init__()
+        bound = 1 / math.sqrt(n_in)  # same init range as nn.Linear
+        self.weight = nn.Parameter(torch.empty(k, n_in, n_out).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(k, 1, n_out).uniform_(-bound, bound))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+class EnsembleLayerNorm(nn.Module):
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(k, 1, n))
+        self.bias = nn.Parameter(torch.zeros(k, 1, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:]) * self.weight + self.bias
+
+
+class Critics(nn.Module):
+    """Twin distributional critics, evaluated together: logits [2, B, num_atoms]."""
+
+    def __init__(self, obs_dim, act_dim, hidden, num_atoms, v_min, v_max, k: int = 2):
+        super().__init__()
+        self.k = k
+        sizes = [obs_dim + act_dim, hidden, hidden // 2, hidden // 4]
+        layers = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [EnsembleLinear(k, a, b), EnsembleLayerNorm(k, b), nn.SiLU()]
+        self.net = nn.Sequential(*layers, EnsembleLinear(k, sizes[-1], num_atoms))
+        self.register_buffer("support", torch.linspace(v_min, v_max, num_atoms))
+
+    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([obs, action], -1)
+        return self.net(x.unsqueeze(0).expand(self.k, *x.shape))
+
+    def q_values(self, obs, action) -> torch.Tensor:
+        """Expected values [2, B] of the critics' distributions."""
+        return (self(obs, action).softmax(-1) * self.support).sum(-1)
+
+
+def project(probs, rewards, discounts, support) -> torch.Tensor:
+    """C51 projection of the distribution r + discount * Z onto the fixed `support`.
+
+    probs [B, N] on support [N]; rewards, discounts [B]. Mass that lands between two atoms
+    is split between them in proportion to the distance.
+    """
+    n = support.shape[0]
+    v_min, v_max = support[0], support[-1]
+    delta = (v_max - v_min) / (n - 1)
+    tz = (rewards[:, None] + discounts[:, None] * support).clamp(v_min, v_max)
+    b = (tz - v_min) / delta
+    lo, hi = b.floor().long(), b.ceil().long()
+    # when b hits an atom exactly, lo == hi and both weights below would be 0: move one
+    lo = torch.where((hi > 0) & (lo == hi), lo - 1, lo)
+    hi = torch.where((lo < n - 1) & (lo == hi), hi + 1, hi)
+    out = torch.zeros_like(probs)
+    out.scatter_add_(1, lo, probs * (hi.to(b.dtype) - b))
+    out.scatter_add_(1, hi, probs * (b - lo.to(b.dtype)))
+    return out
+
+
+def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Per sample, the distribution of the critic whose expected value is lowest.
+
+    probs [K, B, N] -> [B, N]: clipped double Q for distributional critics.
+    """
+    lower = (probs * support).sum(-1).argmin(0)
+    return probs[lower, torch.arange(probs.shape[1], device=probs.device)]
+
+
+# ---------------------------------------------------------------------------------------
+# collector (a spawned subprocess: CPU only, one torch thread)
+
+
+def weights_version_for(chunk: int, sync_mode: str) -> int:
+    """The weights version the collector acts with in `chunk` (see ARCHITECTURE.md).
+
+    The learner publishes version 0 before training and version i+1 after iteration i.
+    """
+    return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
+
+
+def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict) -> None:
+    """Step `args.num_envs` envs for all chunks, writing transitions into the replay buffer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    torch.set_num_threads(1)
+    rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
+    ctrl = Control.attach(ctrl_spec)
+    parent = mp.parent_process()
+    try:
+        _collect(args, rb, ws, ctrl, parent)
+        ctrl.state = FINISHED
+    except BaseException:
+        if parent is not None and not parent.is_alive():
+            # the learner died without cleaning up: the last one out removes the memory
+            for mem in (rb, ws, ctrl):
+                mem.unlink()
+        else:
+            ctrl.fail(traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        for mem in (rb, ws, ctrl):
+            mem.close()
+
+
+class LearnerGone(Exception):
+    pass
+
+
+def _collect(args, rb, ws, ctrl, parent) -> None:
+    obs_dim, act_dim, low, high = env_dims(args.env)
+    actor = make_actor(args, obs_dim, act_dim, low, high)
+    envs = make_env(args.env, args.num_envs)
+    obs, _ = envs.reset(seed=[args.seed * 10_000 + i for i in range(args.num_envs)])
+    rng = np.random.default_rng(args.seed + 1)
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
+    loaded = -1
+    num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
+    for chunk in range(num_chunks):
+        step0 = chunk * args.steps_per_iter
+        random_actions = step0 * args.num_envs < args.learning_starts
+        t0 = time.perf_counter()
+        if args.sync_mode == "async":
+            want = None if not random_actions else loaded
+        else:
+            want = weights_version_for(chunk, args.sync_mode)
+        if want is None or want > loaded:
+            data = None
+            sleep = 1e-4
+            while data is None:  # wait until the learner has published the version we need
+                if ctrl.stop:
+                    return
+                data = ws.read(want)
+                if data is None:
+                    if parent is not None and not parent.is_alive():
+                        raise LearnerGone("learner process exited")
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, 0.01)
+            t1 = time.perf_counter()
+            if data[0] != loaded and not random_actions:
+                ws.load_into(actor, data[1])
+            loaded = data[0]
+            ctrl.timing[WEIGHT_WAIT_S] += t1 - t0
+            ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
+        t0 = time.perf_counter()
+        for s in range(args.steps_per_iter):
+            if random_actions:
+                action = rng.uniform(low, high, size=(args.num_envs, act_dim)).astype(np.float32)
+            else:
+                action = actor.act(torch.from_numpy(obs).float(), generator=gen).numpy()
+            next_obs, reward, terminated, truncated, info = envs.step(action)
+            done = terminated | truncated
+            real_next = next_obs
+            if done.any():
+                # next_obs is already the reset observation; the transition must end at
+                # the true final one. Truncated episodes still bootstrap from it.
+                real_next = next_obs.copy()
+                for i in np.flatnonzero(info["_final_obs"]):
+                    real_next[i] = info["final_obs"][i]
+            rb.write(slice(None), step0 + s, obs, action, reward, real_next, terminated, done)
+            ep_return += reward
+            ep_length += 1
+            for i in np.flatnonzero(done):
+                ctrl.log_episode(ep_return[i], ep_length[i], (step0 + s + 1) * args.num_envs)
+                ep_return[i], ep_length[i] = 0.0, 0
+            obs = next_obs
+        rb.commit(slice(None), step0 + args.steps_per_iter)
+        ctrl.chunks_done = chunk + 1
+        ctrl.timing[COLLECT_S] += time.perf_counter() - t0
+        if ctrl.stop:
+            return
+        if parent is not None and not parent.is_alive():
+            raise LearnerGone("learner process exited")
+    envs.close()
+
+
+# ---------------------------------------------------------------------------------------
+# learner
+
+
+class CollectorError(RuntimeError):
+    pass
+
+
+class Learner:
+    """Networks, optimizers and the update rule. The main loop is in `train`."""
+
+    def __init__(self, args: Args, obs_dim, act_dim, low, high, device, info: D.DistInfo):
+        self.args, self.device, self.info = args, device, info
+        self.actor = make_actor(args, obs_dim, act_dim, low, high).to(device)
+        self.critics = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
+                               args.v_min, args.v_max).to(device)
+        self.critics_target = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
+                                      args.v_min, args.v_max).to(device)
+        self.critics_target.load_state_dict(self.critics.state_dict())
+        self.critics_target.requires_grad_(False)
+        self.log_alpha = torch.tensor(math.log(args.alpha_init), device=device,
+                                      requires_grad=True)
+        self.target_entropy = (-act_dim / 2 if args.target_entropy is None
+                               else args.target_entropy)
+        betas = (0.9, 0.95)
+        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=args.actor_lr,
+                                           betas=betas, weight_decay=args.weight_decay,
+                                           foreach=True)
+        self.critic_opt = torch.optim.AdamW(self.critics.parameters(), lr=args.critic_lr,
+                                            betas=betas, weight_decay=args.weight_decay,
+                                            foreach=True)
+        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=args.alpha_lr, betas=betas,
+                                          foreach=True)
+        self.online_params = list(self.critics.parameters())
+        self.target_params = list(self.critics_target.parameters())
+        self.num_updates = 0
+        # every rank starts from rank 0's parameters
+        D.broadcast_(self.state_tensors(), info)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        modules = (self.actor, self.critics, self.critics_target)
+        return [t for m in modules for t in m.state_dict().values()] + [self.log_alpha]
+
+    def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+        with torch.no_grad():
+            alpha = self.log_alpha.exp()
+            next_actions, next_log_prob = self.actor.sample(next_obs)
+            next_probs = self.critics_target(next_obs, next_actions).softmax(-1)  # [2, B, N]
+            support = self.critics_target.support
+            chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
+            # the entropy bonus shifts every atom, so it is folded in before projecting
+            target = project(chosen, rewards - discounts * alpha * next_log_prob,
+                             discounts, support)
+        log_probs = self.critics(obs, actions).log_softmax(-1)
+        loss = -(target * log_probs).sum(-1).mean(-1).sum()
+        self.critic_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        D.allreduce_grads_(self.online_params, self.info)
+        self.critic_opt.step()
+        return loss.detach()
+
+    def update_actor(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.critics.requires_grad_(False)
+        actions, log_prob = self.actor.sample(obs)
+        q = self.critics.q_values(obs, actions).min(0).values
+        alpha = self.log_alpha.exp()
+        actor_loss = (alpha.detach() * log_prob - q).mean()
+        self.actor_opt.zero_grad(set_to_none=True)
+        actor_loss.backward()
+        D.allreduce_grads_(self.actor.parameters(), self.info)
+        self.actor_opt.step()
+        self.critics.requires_grad_(True)
+        alpha_loss = -(alpha * (log_prob.detach() + self.target_entropy)).mean()
+        self.alpha_opt.zero_grad(set_to_none=True)
+        alpha_loss.backward()
+        D.allreduce_grads_([self.log_alpha], self.info)
+        self.alpha_opt.step()
+        return actor_loss.detach(), alpha_loss.detach()
+
+    def train_iteration(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`updates_per_iter` updates on consecutive mini-batches of one large sample.
+
+        Stays on the device: losses are returned as tensors and read by the caller only
+        when it logs.
+        """
+        args = self.args
+        norm = self.actor.normalizer
+        obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
+        qf_losses, actor_losses, alpha_losses = [], [], []
+        for mb in torch.arange(obs.shape[0], device=obs.device).split(args.batch_size):
+            qf_losses.append(self.update_critic(obs[mb], batch["actions"][mb],
+                                                batch["rewards"][mb], next_obs[mb],
+                                                batch["discounts"][mb]))
+            self.num_updates += 1
+            if self.num_updates % args.policy_frequency == 0:
+                actor_loss, alpha_loss = self.update_actor(obs[mb])
+                actor_losses.append(actor_loss)
+                alpha_losses.append(alpha_loss)
+            torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
+        out = {"qf_loss": torch.stack(qf_losses).mean(), "alpha": self.log_alpha.detach().exp()}
+        if actor_losses:
+            out["actor_loss"] = torch.stack(actor_losses).mean()
+            out["alpha_loss"] = torch.stack(alpha_losses).mean()
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "actor": self.actor.state_dict(),
+            "critics": self.critics.state_dict(),
+            "critics_target": self.critics_target.state_dict(),
+            "log_alpha": self.log_alpha.detach().cpu(),
+            "actor_opt": self.actor_opt.state_dict(),
+            "critic_opt": self.critic_opt.state_dict(),
+            "alpha_opt": self.alpha_opt.state_dict(),
+            "num_updates": self.num_updates,
+        }
+
+
+@torch.no_grad()
+def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, device) -> np.ndarray:
+    """Returns of `episodes` deterministic episodes, run side by side on a separate env."""
+    envs = gym.make_vec(env_id, num_envs=episodes, vectorization_mode="sync")
+    obs, _ = envs.reset(seed=[seed + 777_777 + i for i in range(episodes)])
+    returns, running = np.zeros(episodes), np.ones(episodes, dtype=bool)
+    while running.any():
+        action = actor.act(torch.as_tensor(obs, dtype=torch.float32, device=device), True)
+        obs, reward, terminated, truncated, _ = envs.step(action.cpu().numpy())
+        returns += reward * running
+        running &= ~(terminated | truncated)
+    envs.close()
+    return returns
+
+
+def wait_until(condition, proc: mp.Process, ctrl: Control) -> float:
+    """Sleep-poll `condition` while checking that the collector is alive; returns seconds."""
+    t0, sleep = time.perf_counter(), 1e-4
+    while not condition():
+        if ctrl.state == FAILED or (proc is not None and proc.exitcode is not None):
+            raise CollectorError(collector_failure(proc, ctrl))
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 0.005)
+    return time.perf_counter() - t0
+
+
+def collector_failure(proc: mp.Process | None, ctrl: Control) -> str:
+    if proc is None:
+        return "this node's collector failed:\n" + ctrl.error_text()
+    proc.join(1.0)
+    text = ctrl.error_text()
+    return f"collector failed (exit code {proc.exitcode})" + (f":\n{text}" if text else "")
+
+
+class NoWriter:
+    """Stands in for SummaryWriter on ranks that do not log."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = close = add_scalar
+
+
+def update_normalizer(normalizer: Normalizer, rows: np.ndarray, info: D.DistInfo, device):
+    """Fold every node's new observations into the normalizer, identically on all ranks.
+
+    Local rank 0 contributes its node's rows; the counts, sums and squared sums are summed
+    over all ranks, so nodes with different data still end with the same statistics.
+    """
+    x = torch.from_numpy(rows).to(device, torch.float64)
+    if info.local_rank != 0:
+        x = x[:0]
+    stats = torch.cat([torch.tensor([x.shape[0]], dtype=torch.float64, device=device),
+                       x.sum(0), x.square().sum(0)])
+    D.allreduce_sum_(stats, info)
+    n, dim = stats[0], rows.shape[1]
+    mean = stats[1:1 + dim] / n
+    var = (stats[1 + dim:] / n - mean.square()).clamp_min(0)
+    normalizer.merge(n, mean.float(), var.float())
+
+
+def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def default_learner_threads() -> int:
+    """All cores but the collector's; on 2-4 cores all of them, because the collector
+    waits for the learner most of the time there (measured: +20% updates/s on 2 cores)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores if cores <= 4 else cores - 1
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def train(args: Args, info: D.DistInfo) -> int:
+    """Run this rank's part of one training job; returns the process exit code."""
+    t_start = time.time()
+    device = torch.device(info.device)
+    is_main, owns_node = info.rank == 0, info.local_rank == 0
+    if device.type == "cpu":
+        threads = args.learner_threads or default_learner_threads()
+        torch.set_num_threads(max(1, threads // info.local_world_size))
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng([args.seed, info.rank])  # each rank its own sample stream
+    run_dir = args.run_dir or (f"runs/{args.env}__fast_sac_multigpu__{args.seed}__"
+                               f"{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = D.share_with_node(info, "run_dir", {"run_dir": run_dir})["run_dir"]
+    if is_main:
+        os.makedirs(run_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_dir) if is_main else NoWriter()
+    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    if args.track and is_main:
+        import wandb
+
+        wandb.init(project=args.wandb_project, config=vars(args), sync_tensorboard=True,
+                   name=os.path.basename(run_dir), dir=run_dir)
+
+    obs_dim, act_dim, low, high = env_dims(args.env)
+    learner = Learner(args, obs_dim, act_dim, low, high, device, info)
+    torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
+    E, S = args.num_envs, args.steps_per_iter
+    num_chunks = math.ceil(args.total_timesteps / (E * S))
+    capacity = args.buffer_size // E
+    rb = ws = ctrl = proc = None
+    status, exit_code, final_eval = "failed", 1, None
+    iteration = global_step = 0
+    timers, t_first_update, t_last_update = dict(wait=0.0, learn=0.0, sync=0.0), None, None
+    try:
+        if owns_node:
+            rb = ReplayBuffer.create(E, capacity, obs_dim, act_dim)
+            ctrl = Control.create()
+            ws = WeightSync.create(make_actor(args, obs_dim, act_dim, low, high))
+            ws.publish(learner.actor, 0)
+            # each node's envs get their own seeds
+            node_args = dataclasses.replace(args, seed=args.seed + 7919 * info.node_rank)
+            proc = mp.get_context("spawn").Process(
+                target=collector, args=(node_args, rb.spec, ws.spec, ctrl.spec), daemon=True,
+                name="fast_sac-collector")
+            proc.start()
+        specs = D.share_with_node(info, "specs", owns_node and
+                                  {"rb": rb.spec, "ws": ws.spec, "ctrl": ctrl.spec})
+        if not owns_node:
+            rb = ReplayBuffer.attach(specs["rb"], untrack=True)
+            ctrl = Control.attach(specs["ctrl"], untrack=True)
+
+        episodes_seen, recent = 0, []
+        last_log = last_log_time = time.perf_counter()
+        last_log_updates, last_log_step = 0, 0
+        next_save = args.save_interval or None
+        next_eval = args.eval_interval or None
+        metrics = None
+        normalized_upto = 0  # env-local steps already fed to the normalizer
+        version = written = 0
+        while True:
+            if args.sync_mode == "async":
+                # free-running: train on whatever is complete; keep two chunks clear of the
+                # collector's write position because it may finish one while we sample
+                seen = written if written * E < args.learning_starts else 0
+                timers["wait"] += wait_until(lambda: ctrl.chunks_done * S > seen, proc, ctrl)
+                chunks = D.allreduce_min(ctrl.chunks_done, info)  # all ranks agree on progress
+                window = 2 * S
+                if ctrl.state == FAILED:
+                    raise CollectorError(collector_failure(proc, ctrl))
+            else:
+                # the schedule fixes which rows exist, so timing cannot change the result
+                timers["wait"] += wait_until(lambda: ctrl.chunks_done > iteration, proc, ctrl)
+                chunks = iteration + 1
+                window = S if args.sync_mode == "pipelined" and chunks < num_chunks else 0
+            written = chunks * S
+            global_step = written * E * info.num_nodes
+            t0 = time.perf_counter()
+            if written > normalized_upto:
+                new = rb.rows(max(normalized_upto, written - capacity), written)
+                update_normalizer(learner.actor.normalizer, new, info, device)
+                normalized_upto = written
+            if written * E >= args.learning_starts:
+                batch = rb.sample(rng, args.batch_size * args.updates_per_iter, args.n_step,
+                                  args.gamma, written, window)
+                metrics = learner.train_iteration(to_device(batch, device))
+                t_first_update, t_last_update = t_first_update or t0, time.perf_counter()
+            t1 = time.perf_counter()
+            version += 1
+            if owns_node:
+                ws.publish(learner.actor, version)
+            t2 = time.perf_counter()
+            timers["learn"] += t1 - t0
+            timers["sync"] += t2 - t1
+            iteration += 1
+
+            episodes_seen, episodes = ctrl.episodes_since(episodes_seen)
+            episodes[:, 2] *= info.num_nodes  # env steps of all nodes
+            for ret, length, step in episodes:
+                writer.add_scalar("charts/episodic_return", ret, int(step))
+                writer.add_scalar("charts/episodic_length", length, int(step))
+                recent = (recent + [ret])[-20:]
+            done = (chunks >= num_chunks)
+            now = time.perf_counter()
+            if metrics is not None and (iteration % 10 == 0 or done):
+                for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
+                    writer.add_scalar(f"losses/{k}", v, global_step)
+            if is_main and (now - last_log >= args.log_interval or done):
+                elapsed = time.time() - t_start
+                sps = (global_step - last_log_step) / (now - last_log_time)
+                ups = (learner.num_updates - last_log_updates) / (now - last_log_time)
+                writer.add_scalar("charts/SPS", int(global_step / elapsed), global_step)
+                writer.add_scalar("charts/update_to_data",
+                                  learner.num_updates / max(global_step, 1), global_step)
+                writer.add_scalar("perf/updates_per_sec", ups, global_step)
+                writer.add_scalar("perf/collect_time", ctrl.timing[COLLECT_S], global_step)
+                writer.add_scalar("perf/collector_weight_wait", ctrl.timing[WEIGHT_WAIT_S],
+                                  global_step)
+                writer.add_scalar("perf/collector_weight_load", ctrl.timing[WEIGHT_LOAD_S],
+                                  global_step)
+                for k, v in timers.items():
+                    writer.add_scalar(f"perf/{k}_time", v, global_step)
+                ret = f"{np.mean(recent):9.1f}" if recent else "      n/a"
+                print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | "
+                      f"updates/s {ups:6.1f} | updates {learner.num_updates:>8,} | "
+                      f"return {ret}", flush=True)
+                last_log, last_log_time = now, now
+                last_log_updates, last_log_step = learner.num_updates, global_step
+            if next_eval is not None and global_step >= next_eval and not done:
+                if is_main:
+                    returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed,
+                                       device)
+                    writer.add_scalar("eval/episodic_return", returns.mean(), global_step)
+                    print(f"eval at step {global_step:,}: return {returns.mean():.1f} "
+                          f"+- {returns.std():.1f}", flush=True)
+                next_eval += args.eval_interval
+            if next_save is not None and global_step >= next_save and not done:
+                if is_main:
+                    save_checkpoint(run_dir, f"checkpoint_{global_step}.pt", learner, args,
+                                    global_step, iteration)
+                next_save += args.save_interval
+            if done:
+                break
+        if ctrl.state == FAILED:
+            raise CollectorError(collector_failure(proc, ctrl))
+        hashes = D.gather_strings(D.param_hash([learner.actor, learner.critics]), info)
+        if is_main:
+            returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
+            final_eval = float(returns.mean())
+            writer.add_scalar("eval/episodic_return", final_eval, global_step)
+            print(f"final eval: return {final_eval:.1f} +- {returns.std():.1f}", flush=True)
+            save_checkpoint(run_dir, "model_final.pt", learner, args, global_step, iteration)
+        status, exit_code = "completed", 0
+    except KeyboardInterrupt:
+        status, exit_code = "interrupted", 130
+        print(f"rank {info.rank} interrupted: stopping", file=sys.stderr, flush=True)
+        if is_main:
+            save_checkpoint(run_dir, f"checkpoint_{global_step}.pt", learner, args,
+                            global_step, iteration)
+    except (CollectorError, RuntimeError) as e:  # RuntimeError: a collective failed
+        print(f"rank {info.rank} error: {e}", file=sys.stderr, flush=True)
+    finally:
+        ctrl_timing = ctrl.timing.copy() if ctrl is not None else np.zeros(4)
+        stop_collector(proc, ctrl)
+        for mem in (rb, ws, ctrl):
+            if mem is not None:
+                mem.close()
+                if owns_node:
+                    mem.unlink()
+        writer.close()
+    if not is_main:
+        return exit_code
+    summary = {
+        "status": status, "env_id": args.env, "sync_mode": args.sync_mode,
+        "total_env_steps": global_step, "num_updates": learner.num_updates,
+        "iterations": iteration, "wall_time_s": round(time.time() - t_start, 2),
+        "final_eval_return": final_eval, "device": args.device, "seed": args.seed,
+        "perf": perf_summary(timers, ctrl_timing, global_step, learner.num_updates,
+                             t_first_update, t_last_update),
+        "world_size": info.world_size, "nodes": info.num_nodes, "backend": info.backend,
+        "rank_param_hashes": hashes if status == "completed" else None,
+    }
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return exit_code
+
+
+def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, t_last_update):
+    """Throughput figures for summary.json (rates over the time each part was busy)."""
+    collect_s = float(ctrl_timing[COLLECT_S])
+    training_s = (t_last_update - t_first_update) if t_first_update else 0.0
+    return {
+        "collect_s": round(collect_s, 3), "collector_weight_wait_s": round(ctrl_timing[1], 3),
+        **{f"{k}_s": round(v, 3) for k, v in timers.items()},
+        "collector_steps_per_s": round(global_step / collect_s, 1) if collect_s else None,
+        "learner_updates_per_s": (round(num_updates / timers["learn"], 1)
+                                  if timers["learn"] else None),
+        "updates_per_s_since_first_update": (round(num_updates / training_s, 1)
+                                             if training_s else None),
+    }
+
+
+def stop_collector(proc: mp.Process | None, ctrl: Control | None) -> None:
+    """Ask the collector to stop, then insist: it must be gone before memory is unlinked."""
+    if proc is None:
+        return
+    if ctrl is not None:
+        ctrl.stop = True
+    proc.join(5.0)
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(2.0)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+
+
+def save_checkpoint(run_dir, name, learner: Learner, args: Args, global_step, iteration):
+    """Everything needed to evaluate or continue: networks, optimizers, counters, args."""
+    path = os.path.join(run_dir, name)
+    state = learner.state_dict() | {"args": dataclasses.asdict(args), "global_step": global_step,
+                                    "iteration": iteration, "script": "fast_sac_multigpu"}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written file
+    return path
+
+
+def main(argv=None) -> int:
+    import tyro
+
+    args = tyro.cli(Args, args=argv)
+    try:
+        args = resolve_args(args)
+        info = D.init(args.dist_backend, args.device, args.dist_timeout)
+    except (ArgsError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return train(args, info)
+    finally:
+        D.shutdown(info)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""fast_sac_multigpu.py under torchrun on CPU (gloo): the same code path as NCCL on GPUs."""
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, SMALL, run_script, shm_files
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SCRIPT = os.path.join(ROOT, "fast_sac_multigpu.py")
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
+def test_two_ranks_train_with_identical_parameters(mode, tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL,
+                          "--total-timesteps", "1000", "--sync-mode", mode, "--run-dir", run_dir],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["num_updates"] > 0
+    assert s["world_size"] == 2 and s["nodes"] == 1 and s["backend"] == "gloo"
+    hashes = s["rank_param_hashes"]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
+def test_allreduced_gradient_equals_single_process_gradient():
+    res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2",
+                          os.path.join(ROOT, "tests", "dist_grad_check.py")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.count("gradients match") == 2
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
+    port, run_dir = free_port(), str(tmp_path / "run")
+    procs = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, *SMALL,
+         "--total-timesteps", "1000", "--sync-mode", "pipelined", "--run-dir", run_dir],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        for node in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["nodes"] == 2
+    assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
+    # both nodes' collectors stepped their envs: env steps count both nodes
+    assert s["total_env_steps"] >= 2000
+
+
+def test_single_process_without_torchrun_behaves_like_fast_sac(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac_multigpu.py", *SMALL, "--total-timesteps", "600",
+                     "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["world_size"] == 1 and s["num_updates"] > 0
+
+
+def test_world_size_without_torchrun_is_a_clear_error(tmp_path, no_shm_leak):
+    res = subprocess.run([sys.executable, SCRIPT, *SMALL, "--run-dir", str(tmp_path / "r")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(ENV, WORLD_SIZE="4"))
+    assert res.returncode == 2 and "torchrun --nproc_per_node" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def worker_pids(agent_pid):
+    """torchrun's worker processes (they carry LOCAL_RANK in their environment)."""
+    out = {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        if b"fast_sac_multigpu.py" in cmd and b"TORCHELASTIC_RUN_ID" in env \
+                and pid != agent_pid and b"LOCAL_RANK" in env:
+            out[int(env[b"LOCAL_RANK"])] = pid
+    return out
+
+
+def descendants(root):
+    parent = {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    out, frontier = [], [root]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def test_killed_rank_stops_every_process(tmp_path):
+    before = shm_files()
+    run_dir = str(tmp_path / "run")
+    agent = subprocess.Popen(
+        [*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL,
+         "--total-timesteps", "10000000", "--run-dir", run_dir, "--dist-timeout", "30"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait for gradient updates
+        ready, _, _ = select.select([agent.stdout], [], [], 1.0)
+        line = agent.stdout.readline() if ready else ""
+        m = re.search(r"updates\s+([\d,]+)", line)
+        if m and int(m.group(1).replace(",", "")) > 0:
+            break
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+    workers = worker_pids(agent.pid)
+    assert set(workers) == {0, 1}
+    tree = descendants(agent.pid)
+    assert len(tree) >= 4  # two ranks, the collector, the resource tracker
+    os.kill(workers[1], signal.SIGKILL)
+    t0 = time.time()
+    agent.communicate(timeout=90)
+    assert agent.returncode != 0
+    assert time.time() - t0 < 60
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        alive = [p for p in tree if os.path.exists(f"/proc/{p}")
+                 and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        if not alive and not shm_files() - before:
+            break
+        time.sleep(0.2)
+    assert not alive, f"processes left: {alive}"
+    assert not shm_files() - before
