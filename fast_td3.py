@@ -11,12 +11,14 @@ networks -> collector -> learner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
 import math
 import multiprocessing as mp
 import os
+import pickle
 import re
 import signal
 import sys
@@ -31,7 +33,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.control import COLLECT_S, FAILED, FINISHED, WEIGHT_LOAD_S, WEIGHT_WAIT_S, Control
+from common.control import (
+    COLLECT_S,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    WEIGHT_LOAD_S,
+    WEIGHT_WAIT_S,
+    Control,
+)
 from common.replay import ReplayBuffer
 from common.shm import check_shm_space
 from common.weights import WeightSync
@@ -114,6 +124,23 @@ class Args:
     """episodes per evaluation"""
     log_interval: float = 10.0
     """seconds between console progress lines"""
+    resume: str | None = None
+    """continue a run: its run dir (newest checkpoint) or a checkpoint file. The saved
+    arguments are used, except flags given now"""
+    save_replay: bool = False
+    """store the replay buffer with each checkpoint, so that a resumed run continues exactly
+    (in lockstep and pipelined modes: the same final parameters as an uninterrupted run)"""
+    restart_collector: bool = False
+    """if the collector dies, start a fresh one and carry on instead of exiting"""
+    eval_only: bool = False
+    """only evaluate --checkpoint for --eval-episodes episodes, print mean and std"""
+    checkpoint: str | None = None
+    """checkpoint file or run dir for --eval-only"""
+    capture_video: bool = False
+    """record one deterministic episode at each evaluation to {run_dir}/videos (needs
+    offscreen rendering: MUJOCO_GL=egl, the default here, or osmesa)"""
+    quiet: bool = False
+    """no progress bar or progress lines (evaluations and errors are still printed)"""
     learner_threads: int | None = None
     """torch threads of the learner on CPU (default: all cores up to 4, else cores - 1)"""
     track: bool = False
@@ -237,6 +264,41 @@ def make_env(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
     """
     return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+
+
+def capture_envs(envs: gym.vector.SyncVectorEnv) -> bytes:
+    """The vector env's sub-envs, pickled so that their episodes continue exactly.
+
+    Pickling a MuJoCo env rebuilds it from its constructor arguments, so its simulation
+    state and random generator are saved beside it.
+    """
+    import mujoco
+
+    extra = []
+    for env in envs.envs:
+        u = env.unwrapped
+        item = {"np_random": u.np_random.bit_generator.state}
+        if isinstance(getattr(u, "data", None), mujoco.MjData):
+            kind = mujoco.mjtState.mjSTATE_INTEGRATION
+            item["mujoco"] = np.empty(mujoco.mj_stateSize(u.model, kind))
+            mujoco.mj_getState(u.model, u.data, item["mujoco"], kind)
+        extra.append(item)
+    return pickle.dumps({"envs": envs.envs, "extra": extra})
+
+
+def restore_envs(blob: bytes) -> gym.vector.SyncVectorEnv:
+    """Inverse of `capture_envs`."""
+    import mujoco
+
+    saved = pickle.loads(blob)
+    for env, item in zip(saved["envs"], saved["extra"]):
+        env.unwrapped.np_random.bit_generator.state = item["np_random"]
+        if "mujoco" in item:
+            u = env.unwrapped
+            mujoco.mj_setState(u.model, u.data, item["mujoco"],
+                               mujoco.mjtState.mjSTATE_INTEGRATION)
+    return gym.vector.SyncVectorEnv([lambda e=e: e for e in saved["envs"]],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def env_dims(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:
@@ -413,15 +475,19 @@ def weights_version_for(chunk: int, sync_mode: str) -> int:
     return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
 
 
-def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict) -> None:
-    """Step `args.num_envs` envs for all chunks, writing transitions into the replay buffer."""
+def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict, run_dir: str,
+              start: dict | None = None) -> None:
+    """Step `args.num_envs` envs for all chunks, writing transitions into the replay buffer.
+
+    `start` continues from a snapshot (see `_collect`) instead of fresh episodes.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
     torch.set_num_threads(1)
     rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
     ctrl = Control.attach(ctrl_spec)
     parent = mp.parent_process()
     try:
-        _collect(args, rb, ws, ctrl, parent)
+        _collect(args, rb, ws, ctrl, parent, run_dir, start)
         ctrl.state = FINISHED
     except BaseException:
         if parent is not None and not parent.is_alive():
@@ -453,18 +519,37 @@ class LearnerGone(Exception):
     pass
 
 
-def _collect(args, rb, ws, ctrl, parent) -> None:
+COLLECTOR_STATE = ".collector_state.pkl"
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write via a temporary file and rename, so `path` is never half-written."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
     obs_dim, act_dim, low, high = env_dims(args.env)
     actor = make_actor(args, obs_dim, act_dim, low, high)
-    envs = make_env(args.env, args.num_envs)
-    obs, _ = envs.reset(seed=[args.seed * 10_000 + i for i in range(args.num_envs)])
     rng = np.random.default_rng(args.seed + 1)
     gen = torch.Generator().manual_seed(args.seed + 2)
-    ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
-    noise_std = draw_noise_std(rng, args, args.num_envs)
+    if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
+        envs = make_env(args.env, args.num_envs)
+        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0)
+        obs, _ = envs.reset(seed=[seed + i for i in range(args.num_envs)])
+        ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
+        noise_std = draw_noise_std(rng, args, args.num_envs)
+        first_chunk = (start or {}).get("chunk", 0)
+    else:  # continue exactly where a snapshot left off
+        envs = restore_envs(start["envs"])
+        obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
+        rng.bit_generator.state, first_chunk = start["rng"], start["chunk"]
+        gen.set_state(start["gen"])
+        noise_std = start["noise_std"]
     loaded = -1
     num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
-    for chunk in range(num_chunks):
+    for chunk in range(first_chunk, num_chunks):
         step0 = chunk * args.steps_per_iter
         random_actions = step0 * args.num_envs < args.learning_starts
         t0 = time.perf_counter()
@@ -490,6 +575,13 @@ def _collect(args, rb, ws, ctrl, parent) -> None:
             loaded = data[0]
             ctrl.timing[WEIGHT_WAIT_S] += t1 - t0
             ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
+        if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
+            # for a checkpoint: everything needed to collect this chunk and the rest
+            write_atomic(os.path.join(run_dir, COLLECTOR_STATE), pickle.dumps(dict(
+                chunk=chunk, envs=capture_envs(envs), obs=obs, rng=rng.bit_generator.state,
+                gen=gen.get_state(), ep_return=ep_return, ep_length=ep_length,
+                noise_std=noise_std)))
+            ctrl.snapshot_done = ctrl.snapshot_req
         t0 = time.perf_counter()
         for s in range(args.steps_per_iter):
             if random_actions:
@@ -608,6 +700,18 @@ class Learner:
             out["actor_loss"] = torch.stack(actor_losses).mean()
         return out
 
+    def load_state_dict(self, state: dict) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.critics.load_state_dict(state["critics"])
+        self.critics_target.load_state_dict(state["critics_target"])
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        self.num_updates = state["num_updates"]
+
+    def all_finite(self) -> bool:
+        tensors = [*self.actor.parameters(), *self.critics.parameters()]
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
     def state_dict(self) -> dict:
         return {
             "actor": self.actor.state_dict(),
@@ -632,6 +736,43 @@ def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, device) -> np.
         running &= ~(terminated | truncated)
     envs.close()
     return returns
+
+
+def record_video(actor: Actor, env_id: str, seed: int, device, path: str) -> str:
+    """Render one deterministic episode to `path`.mp4 (or .gif without imageio-ffmpeg)."""
+    import imageio.v2 as imageio
+
+    try:
+        env = gym.make(env_id, render_mode="rgb_array", width=256, height=256)
+    except TypeError:  # envs without a size option
+        env = gym.make(env_id, render_mode="rgb_array")
+    obs, _ = env.reset(seed=seed + 777_777)
+    frames, done = [env.render()], False
+    while not done:
+        action = actor.act(torch.as_tensor(obs[None], dtype=torch.float32, device=device), True)
+        obs, _, terminated, truncated, _ = env.step(action[0].cpu().numpy())
+        done = terminated or truncated
+        frames.append(env.render())
+    fps = env.metadata.get("render_fps") or 30
+    env.close()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        imageio.mimsave(path + ".mp4", frames, fps=fps)
+        return path + ".mp4"
+    except (ImportError, ValueError, RuntimeError):  # no ffmpeg plugin: an animated GIF
+        imageio.mimsave(path + ".gif", frames, duration=1000 / fps, loop=0)
+        return path + ".gif"
+
+
+def capture_video(actor: Actor, args: Args, device, run_dir: str, global_step: int) -> None:
+    """--capture-video at an evaluation; a rendering failure is reported, not fatal."""
+    try:
+        path = record_video(actor, args.env, args.seed, device,
+                            os.path.join(run_dir, "videos", f"step_{global_step}"))
+        print(f"video: {path}", flush=True)
+    except Exception as e:  # no OpenGL, no imageio, an env that cannot render
+        print(f"warning: --capture-video failed ({type(e).__name__}: {e}); set MUJOCO_GL=egl "
+              "or osmesa and pip install imageio", file=sys.stderr, flush=True)
 
 
 def wait_until(condition, proc: mp.Process, ctrl: Control) -> float:
@@ -666,8 +807,8 @@ def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def train(args: Args) -> int:
-    """Run one training job; returns the process exit code."""
+def train(args: Args, resume: dict | None = None) -> int:
+    """Run one training job (continuing `resume`, a loaded checkpoint); returns the exit code."""
     t_start = time.time()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -697,79 +838,109 @@ def train(args: Args) -> int:
     capacity = args.buffer_size // E
     rb = ws = ctrl = proc = None
     status, exit_code, final_eval = "failed", 1, None
-    iteration = global_step = 0
+    # what a checkpoint must carry besides the networks to continue the loop exactly;
+    # floor: env-local steps below it hold no data (after a resume without the replay)
+    loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0, restarts=0)
     timers, t_first_update, t_last_update = dict(wait=0.0, learn=0.0, sync=0.0), None, None
+    progress = Progress(args, learner)
+
+    def checkpoint(name: str, collector_state: dict | None) -> None:
+        """Save networks, optimizers, counters and RNG; with the collector's snapshot (and
+        the replay, with --save-replay) a resumed run continues exactly."""
+        if not learner.all_finite():
+            raise Diverged(f"non-finite parameters at env step {loop['global_step']}; "
+                           "the last good checkpoint is kept")
+        state = learner.state_dict() | {
+            "args": dataclasses.asdict(args), "script": "fast_td3", **loop,
+            "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+            "collector": collector_state, "replay": None}
+        if collector_state is not None and args.save_replay:
+            state["replay"] = name.removesuffix(".pt") + ".replay.npz"
+            save_replay(rb, os.path.join(run_dir, state["replay"]),
+                        collector_state["chunk"] * S)
+        save_checkpoint(run_dir, name, state)
+
     try:
         rb = ReplayBuffer.create(E, capacity, obs_dim, act_dim)
         ctrl = Control.create()
         ws = WeightSync.create(make_actor(args, obs_dim, act_dim, low, high))
-        ws.publish(learner.actor, 0)
-        proc = mp.get_context("spawn").Process(
-            target=collector, args=(args, rb.spec, ws.spec, ctrl.spec), daemon=True,
-            name="fast_td3-collector")
-        proc.start()
+        start = None
+        if resume is not None:
+            start = restore_learner(resume, learner, rng, loop, rb, ctrl, run_dir, S)
+        ws.publish(learner.actor, loop["version"])
+        proc = start_collector(args, rb, ws, ctrl, run_dir, start)
 
-        episodes_seen, recent = 0, []
-        last_log = last_log_time = time.perf_counter()
-        last_log_updates, last_log_step = 0, 0
-        next_save = args.save_interval or None
-        next_eval = args.eval_interval or None
+        episodes_seen = 0
+        next_save = next_multiple(loop["global_step"], args.save_interval)
+        next_eval = next_multiple(loop["global_step"], args.eval_interval)
         metrics = None
-        normalized_upto = 0  # env-local steps already fed to the normalizer
-        version = written = 0
+        written = loop["normalized_upto"]
         while True:
-            if args.sync_mode == "async":
-                # free-running: train on whatever is complete; keep two chunks clear of the
-                # collector's write position because it may finish one while we sample
-                seen = written if written * E < args.learning_starts else 0
-                timers["wait"] += wait_until(lambda: ctrl.chunks_done * S > seen, proc, ctrl)
-                chunks = ctrl.chunks_done
-                window = 2 * S
-                if ctrl.state == FAILED:
-                    raise CollectorError(collector_failure(proc, ctrl))
-            else:
-                # the schedule fixes which rows exist, so timing cannot change the result
-                timers["wait"] += wait_until(lambda: ctrl.chunks_done > iteration, proc, ctrl)
-                chunks = iteration + 1
-                window = S if args.sync_mode == "pipelined" and chunks < num_chunks else 0
+            iteration = loop["iteration"]
+            try:
+                if args.sync_mode == "async":
+                    # free-running: train on whatever is complete; keep two chunks clear of
+                    # the collector's write position: it may finish one while we sample
+                    seen = written if written * E < args.learning_starts else 0
+                    timers["wait"] += wait_until(lambda: ctrl.chunks_done * S > seen, proc, ctrl)
+                    chunks = ctrl.chunks_done
+                    window = 2 * S
+                else:
+                    # the schedule fixes which rows exist, so timing cannot change the result
+                    timers["wait"] += wait_until(lambda: ctrl.chunks_done > iteration, proc,
+                                                 ctrl)
+                    chunks = iteration + 1
+                    window = S if args.sync_mode == "pipelined" and chunks < num_chunks else 0
+            except CollectorError as e:
+                if not args.restart_collector:
+                    raise
+                proc = restart_collector(args, e, proc, rb, ws, ctrl, run_dir, loop, S)
+                continue
             written = chunks * S
-            global_step = written * E
+            global_step = loop["global_step"] = written * E
+            done = chunks >= num_chunks
+            # a checkpoint holds the collector's state at the start of the chunk that needs
+            # the weights of this iteration, so it is asked for before they are published
+            snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(args.sync_mode, 0)
+            save_now = global_step >= next_save and snapshot_chunk < num_chunks
+            if save_now:
+                ctrl.snapshot_chunk = snapshot_chunk
+                ctrl.snapshot_req += 1
             t0 = time.perf_counter()
-            if written > normalized_upto:
-                new = rb.rows(max(normalized_upto, written - capacity), written)
-                learner.actor.normalizer.update(torch.from_numpy(new).to(device))
-                normalized_upto = written
-            if global_step >= args.learning_starts:
+            if written > loop["normalized_upto"]:
+                first = max(loop["normalized_upto"], written - capacity, loop["floor"])
+                new_obs = torch.from_numpy(rb.rows(first, written)).to(device)
+                learner.actor.normalizer.update(new_obs)
+                loop["normalized_upto"] = written
+            if (global_step >= args.learning_starts
+                    and (written - loop["floor"]) * E >= args.learning_starts):
                 batch = rb.sample(rng, args.batch_size * args.updates_per_iter, args.n_step,
-                                  args.gamma, written, window)
+                                  args.gamma, written, window, loop["floor"])
                 metrics = learner.train_iteration(to_device(batch, device))
+                check_finite(metrics, global_step, learner.num_updates)
                 t_first_update, t_last_update = t_first_update or t0, time.perf_counter()
             t1 = time.perf_counter()
-            version += 1
-            ws.publish(learner.actor, version)
+            loop["version"] += 1
+            ws.publish(learner.actor, loop["version"])
             t2 = time.perf_counter()
             timers["learn"] += t1 - t0
             timers["sync"] += t2 - t1
-            iteration += 1
+            loop["iteration"] += 1
 
             episodes_seen, episodes = ctrl.episodes_since(episodes_seen)
             for ret, length, step in episodes:
                 writer.add_scalar("charts/episodic_return", ret, int(step))
                 writer.add_scalar("charts/episodic_length", length, int(step))
-                recent = (recent + [ret])[-20:]
-            done = (chunks >= num_chunks)
-            now = time.perf_counter()
-            if metrics is not None and (iteration % 10 == 0 or done):
+                progress.episode(ret)
+            if metrics is not None and (loop["iteration"] % 10 == 0 or done):
                 for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
                     writer.add_scalar(f"losses/{k}", v, global_step)
-            if now - last_log >= args.log_interval or done:
+            if progress.due() or done:
                 elapsed = time.time() - t_start
-                sps = (global_step - last_log_step) / (now - last_log_time)
-                ups = (learner.num_updates - last_log_updates) / (now - last_log_time)
                 writer.add_scalar("charts/SPS", int(global_step / elapsed), global_step)
                 writer.add_scalar("charts/update_to_data",
                                   learner.num_updates / max(global_step, 1), global_step)
-                writer.add_scalar("perf/updates_per_sec", ups, global_step)
+                writer.add_scalar("perf/updates_per_sec", progress.updates_per_s(), global_step)
                 writer.add_scalar("perf/collect_time", ctrl.timing[COLLECT_S], global_step)
                 writer.add_scalar("perf/collector_weight_wait", ctrl.timing[WEIGHT_WAIT_S],
                                   global_step)
@@ -777,38 +948,49 @@ def train(args: Args) -> int:
                                   global_step)
                 for k, v in timers.items():
                     writer.add_scalar(f"perf/{k}_time", v, global_step)
-                ret = f"{np.mean(recent):9.1f}" if recent else "      n/a"
-                print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | "
-                      f"updates/s {ups:6.1f} | updates {learner.num_updates:>8,} | "
-                      f"return {ret}", flush=True)
-                last_log, last_log_time = now, now
-                last_log_updates, last_log_step = learner.num_updates, global_step
-            if next_eval is not None and global_step >= next_eval and not done:
+                progress.show(global_step, elapsed)
+            if global_step >= next_eval and not done:
                 returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
                 writer.add_scalar("eval/episodic_return", returns.mean(), global_step)
-                print(f"eval at step {global_step:,}: return {returns.mean():.1f} "
-                      f"+- {returns.std():.1f}", flush=True)
-                next_eval += args.eval_interval
-            if next_save is not None and global_step >= next_save and not done:
-                save_checkpoint(run_dir, f"checkpoint_{global_step}.pt", learner, args,
-                                global_step, iteration)
-                next_save += args.save_interval
+                if args.capture_video:
+                    capture_video(learner.actor, args, device, run_dir, global_step)
+                progress.say(f"eval at step {global_step:,}: return {returns.mean():.1f} "
+                             f"+- {returns.std():.1f}")
+                next_eval = next_multiple(global_step, args.eval_interval)
+            if save_now:
+                timers["wait"] += wait_until(lambda: ctrl.snapshot_done == ctrl.snapshot_req
+                                             or ctrl.state == FINISHED, proc, ctrl)
+                collector_state = None
+                if ctrl.snapshot_done == ctrl.snapshot_req:
+                    with open(os.path.join(run_dir, COLLECTOR_STATE), "rb") as f:
+                        collector_state = pickle.load(f)
+                checkpoint(f"checkpoint_{global_step}.pt", collector_state)
+                next_save = next_multiple(global_step, args.save_interval)
             if done:
                 break
         if ctrl.state == FAILED:
             raise CollectorError(collector_failure(proc, ctrl))
+        progress.close()
         returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
         final_eval = float(returns.mean())
-        writer.add_scalar("eval/episodic_return", final_eval, global_step)
+        writer.add_scalar("eval/episodic_return", final_eval, loop["global_step"])
+        if args.capture_video:
+            capture_video(learner.actor, args, device, run_dir, loop["global_step"])
         print(f"final eval: return {final_eval:.1f} +- {returns.std():.1f}", flush=True)
-        save_checkpoint(run_dir, "model_final.pt", learner, args, global_step, iteration)
+        checkpoint("model_final.pt", None)
         status, exit_code = "completed", 0
     except KeyboardInterrupt:
         status, exit_code = "interrupted", 130
+        progress.close()
         print("interrupted: saving a checkpoint and stopping", file=sys.stderr, flush=True)
-        save_checkpoint(run_dir, f"checkpoint_{global_step}.pt", learner, args, global_step,
-                        iteration)
+        with contextlib.suppress(Diverged):
+            checkpoint(f"checkpoint_{loop['global_step']}.pt", None)
     except CollectorError as e:
+        progress.close()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    except Diverged as e:
+        status = "diverged"
+        progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
     finally:
         ctrl_timing = ctrl.timing.copy() if ctrl is not None else np.zeros(4)
@@ -817,18 +999,141 @@ def train(args: Args) -> int:
             if mem is not None:
                 mem.close()
                 mem.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, COLLECTOR_STATE))
         writer.close()
     summary = {
         "status": status, "env_id": args.env, "sync_mode": args.sync_mode,
-        "total_env_steps": global_step, "num_updates": learner.num_updates,
-        "iterations": iteration, "wall_time_s": round(time.time() - t_start, 2),
+        "total_env_steps": loop["global_step"], "num_updates": learner.num_updates,
+        "iterations": loop["iteration"], "wall_time_s": round(time.time() - t_start, 2),
         "final_eval_return": final_eval, "device": args.device, "seed": args.seed,
-        "perf": perf_summary(timers, ctrl_timing, global_step, learner.num_updates,
+        "collector_restarts": loop["restarts"],
+        "perf": perf_summary(timers, ctrl_timing, loop["global_step"], learner.num_updates,
                              t_first_update, t_last_update),
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return exit_code
+
+
+class Diverged(RuntimeError):
+    pass
+
+
+def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int) -> None:
+    """Stop on a non-finite loss (one host sync per iteration, outside the update loop)."""
+    values = torch.stack(list(metrics.values()))
+    if not bool(torch.isfinite(values).all()):
+        bad = {k: v for k, v in zip(metrics, values.tolist()) if not math.isfinite(v)}
+        raise Diverged(f"non-finite loss {bad} at env step {global_step} (update {num_updates});"
+                       " the last good checkpoint is kept. Lower the learning rates or check "
+                       "the env's rewards and --v-min/--v-max")
+
+
+def next_multiple(step: int, interval: int) -> float:
+    """The first multiple of `interval` above `step` (inf when interval is 0: never)."""
+    return (step // interval + 1) * interval if interval else math.inf
+
+
+class Progress:
+    """A tqdm bar on a terminal, a line every --log-interval seconds otherwise; --quiet
+    prints only evaluations and errors."""
+
+    def __init__(self, args: Args, learner: Learner):
+        self.args, self.learner, self.recent = args, learner, []
+        self.bar = None
+        if not args.quiet and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
+        self.t_last, self.updates_last, self.step_last = time.perf_counter(), 0, 0
+        self.interval = 0.5 if self.bar is not None else args.log_interval
+
+    def episode(self, ret: float) -> None:
+        self.recent = (self.recent + [ret])[-20:]
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.t_last >= self.interval
+
+    def updates_per_s(self) -> float:
+        return (self.learner.num_updates - self.updates_last) / (time.perf_counter() - self.t_last)
+
+    def show(self, global_step: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        sps = (global_step - self.step_last) / (now - self.t_last)
+        ups = self.updates_per_s()
+        ret = f"{np.mean(self.recent):9.1f}" if self.recent else "      n/a"
+        if self.bar is not None:
+            self.bar.update(global_step - self.bar.n)
+            self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
+        elif not self.args.quiet:
+            print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | "
+                  f"updates/s {ups:6.1f} | updates {self.learner.num_updates:>8,} | "
+                  f"return {ret}", flush=True)
+        self.t_last, self.updates_last, self.step_last = now, self.learner.num_updates, global_step
+
+    def say(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def start_collector(args, rb, ws, ctrl, run_dir, start) -> mp.Process:
+    proc = mp.get_context("spawn").Process(
+        target=collector, args=(args, rb.spec, ws.spec, ctrl.spec, run_dir, start),
+        daemon=True, name="fast_td3-collector")
+    proc.start()
+    return proc
+
+
+def restart_collector(args, error, proc, rb, ws, ctrl, run_dir, loop, S) -> mp.Process:
+    """--restart-collector: replace a dead collector with a fresh one at the next chunk."""
+    loop["restarts"] += 1
+    print(f"warning: {error}\nstarting collector #{loop['restarts'] + 1}", file=sys.stderr,
+          flush=True)
+    stop_collector(proc, ctrl)
+    chunk = ctrl.chunks_done
+    if chunk > 0:  # the interrupted episodes end at the last complete row: no n-step sum
+        rb.dones[:, (chunk * S - 1) % rb.capacity] = 1.0  # crosses into the new ones
+    ctrl.stop, ctrl.state = False, RUNNING
+    ctrl.error[:] = 0
+    return start_collector(args, rb, ws, ctrl, run_dir, {"chunk": chunk,
+                                                          "restart": loop["restarts"]})
+
+
+def save_replay(rb: ReplayBuffer, path: str, written: int) -> None:
+    """The buffer's rows and fill level, atomically (temporary file, then rename)."""
+    arrays = {k: getattr(rb, k) for k in ("obs", "next_obs", "actions", "rewards",
+                                          "terminated", "dones")}
+    with open(path + ".tmp", "wb") as f:
+        np.savez(f, written=np.array(written), **arrays)
+    os.replace(path + ".tmp", path)
+
+
+def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
+    """Load a checkpoint into the learner and buffers; returns the collector's start."""
+    learner.load_state_dict(ckpt)
+    rng.bit_generator.state = ckpt["rng"]
+    torch.set_rng_state(ckpt["torch_rng"])
+    loop.update({k: ckpt[k] for k in loop if k in ckpt})
+    # without a snapshot, fresh episodes start at the chunk that uses the saved weights
+    first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
+    start = ckpt["collector"] or {"chunk": first, "restart": loop["restarts"] + 1}
+    chunk = start["chunk"]
+    if ckpt["replay"]:
+        with np.load(os.path.join(ckpt["dir"], ckpt["replay"])) as saved:
+            for key in ("obs", "next_obs", "actions", "rewards", "terminated", "dones"):
+                getattr(rb, key)[:] = saved[key]
+            assert int(saved["written"]) == chunk * S
+    else:  # nothing below this chunk is in the buffer: refill before updating again
+        loop["floor"] = chunk * S
+        loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
+    rb.commit(slice(None), chunk * S)
+    ctrl.chunks_done = chunk
+    return start
 
 
 def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, t_last_update):
@@ -861,26 +1166,94 @@ def stop_collector(proc: mp.Process | None, ctrl: Control | None) -> None:
         proc.join()
 
 
-def save_checkpoint(run_dir, name, learner: Learner, args: Args, global_step, iteration):
-    """Everything needed to evaluate or continue: networks, optimizers, counters, args."""
+def save_checkpoint(run_dir: str, name: str, state: dict) -> str:
+    """torch.save via a temporary file and rename: a crash never leaves a half-written file."""
     path = os.path.join(run_dir, name)
-    state = learner.state_dict() | {"args": dataclasses.asdict(args), "global_step": global_step,
-                                    "iteration": iteration, "script": "fast_td3"}
     torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written file
+    os.replace(path + ".tmp", path)
     return path
+
+
+def find_checkpoint(path: str) -> str:
+    """`path` itself, or the newest checkpoint in the run dir `path`."""
+    if os.path.isdir(path):
+        found = [f for f in os.listdir(path) if re.fullmatch(r"checkpoint_\d+\.pt", f)]
+        if not found:
+            final = os.path.join(path, "model_final.pt")
+            if os.path.exists(final):
+                return final
+            raise ArgsError(f"no checkpoint_*.pt or model_final.pt in {path}")
+        return os.path.join(path, max(found, key=lambda f: int(re.findall(r"\d+", f)[0])))
+    if not os.path.isfile(path):
+        raise ArgsError(f"checkpoint {path} does not exist")
+    return path
+
+
+# fields that must match between a checkpoint and the run that continues it
+RESUME_FIXED = ("env", "num_envs", "buffer_size", "steps_per_iter", "actor_hidden",
+                "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min", "v_max")
+
+
+def load_for_resume(args: Args) -> tuple[Args, dict]:
+    """The checkpoint named by --resume and the arguments to continue it with: the saved
+    ones, overridden by flags given now that differ from the defaults."""
+    path = find_checkpoint(args.resume)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ArgsError(f"cannot read checkpoint {path}: {e}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("script") != "fast_td3":
+        raise ArgsError(f"{path} was not written by fast_td3.py "
+                        f"(script: {ckpt.get('script') if isinstance(ckpt, dict) else '?'})")
+    saved, defaults = ckpt["args"], vars(Args())
+    given = {k: v for k, v in vars(args).items() if v != defaults[k]}
+    for key in RESUME_FIXED:
+        if key in given and key != "env" and given[key] != saved[key]:
+            raise ArgsError(f"--{key.replace('_', '-')} {given[key]} does not match the "
+                            f"checkpoint's {saved[key]}; a run continues with its own shapes")
+    if "env" in given and resolve_env_id(given["env"]) != saved["env"]:
+        raise ArgsError(f"{path} was trained on {saved['env']}, not {given['env']}")
+    merged = Args(**(saved | given | {"resume": args.resume}))
+    merged.run_dir = merged.run_dir or os.path.dirname(path)
+    ckpt["dir"] = os.path.dirname(path)
+    return merged, ckpt
+
+
+def evaluate_checkpoint(args: Args) -> int:
+    """--eval-only: mean and std of the return of a saved policy."""
+    path = find_checkpoint(args.checkpoint)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ckpt.get("script") != "fast_td3":
+        raise ArgsError(f"{path} was not written by fast_td3.py")
+    saved = Args(**ckpt["args"])
+    obs_dim, act_dim, low, high = env_dims(saved.env)
+    actor = make_actor(saved, obs_dim, act_dim, low, high)
+    actor.load_state_dict(ckpt["actor"])
+    returns = evaluate(actor, saved.env, args.eval_episodes, args.seed, "cpu")
+    print(f"{saved.env}: return {returns.mean():.1f} +- {returns.std():.1f} over "
+          f"{args.eval_episodes} deterministic episodes ({path})")
+    return 0
 
 
 def main(argv=None) -> int:
     import tyro
 
     args = tyro.cli(Args, args=argv)
+    if args.capture_video:  # offscreen MuJoCo rendering without a display
+        os.environ.setdefault("MUJOCO_GL", "egl")
     try:
+        if args.eval_only:
+            if not args.checkpoint:
+                raise ArgsError("--eval-only needs --checkpoint PATH (a .pt file or run dir)")
+            return evaluate_checkpoint(args)
+        resume = None
+        if args.resume:
+            args, resume = load_for_resume(args)
         args = resolve_args(args)
     except ArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return train(args)
+    return train(args, resume)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def full_run(env_id: str, total: int, learning_starts: int) -> dict:
 
 def isolated_updates_per_s(env_id: str, iterations: int) -> float:
     args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(fast_sac.default_learner_threads())  # as the learner does
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, torch.device("cpu"))
     cap = args.buffer_size // args.num_envs
@@ -101,7 +101,7 @@ def isolated_updates_per_s(env_id: str, iterations: int) -> float:
 def main(b: Bench) -> None:
     env_id = fast_sac.resolve_env_id(b.env)
     args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
-    seconds, total, iters = (5, 20_000, 20) if b.quick else (15, 60_000, 60)
+    seconds, total, iters = (5, 12_000, 20) if b.quick else (15, 40_000, 60)
     rows = {"bare_env_steps_per_s": [], "collector_steps_per_s": [],
             "run_updates_per_s": [], "isolated_updates_per_s": []}
     for _ in range(b.repeats):

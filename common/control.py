@@ -18,7 +18,8 @@ ERROR_BYTES = 16384
 COLLECT_S, WEIGHT_WAIT_S, WEIGHT_LOAD_S = 0, 1, 2
 
 SPECS = {
-    "counters": ((4,), np.int64),  # chunks_done, stop, state, episodes
+    # chunks_done, stop, state, episodes, snapshot_req, snapshot_done
+    "counters": ((8,), np.int64),
     "timing": ((4,), np.float64),
     "episodes": ((EPISODE_RING, 3), np.float64),
     "error": ((ERROR_BYTES,), np.uint8),
@@ -49,6 +50,16 @@ class Control:
                     lambda self, v: self.counters.__setitem__(1, int(v)))
     state = property(lambda self: int(self.counters[2]),
                      lambda self, v: self.counters.__setitem__(2, v))
+    # the learner raises snapshot_req to ask the collector for its state; the collector
+    # sets snapshot_done to the same number once the state file is written
+    snapshot_req = property(lambda self: int(self.counters[4]),
+                            lambda self, v: self.counters.__setitem__(4, v))
+    snapshot_done = property(lambda self: int(self.counters[5]),
+                             lambda self, v: self.counters.__setitem__(5, v))
+    # the chunk at whose start the snapshot is taken (the collector takes it at the first
+    # chunk at or after this one)
+    snapshot_chunk = property(lambda self: int(self.counters[6]),
+                              lambda self, v: self.counters.__setitem__(6, v))
 
     def fail(self, text: str) -> None:
         """Record the collector's error text and mark it failed."""

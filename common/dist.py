@@ -144,7 +144,13 @@ def gather_strings(value: str, info: DistInfo) -> list[str]:
     return out
 
 
-def shutdown(info: DistInfo) -> None:
-    """Leave the process group (safe to call when none was joined)."""
+def shutdown(info: DistInfo, healthy: bool = True) -> None:
+    """Leave the process group (safe to call when none was joined).
+
+    `healthy`: all ranks got here normally, so they wait for each other first; gloo can
+    abort a process whose peer tears down its connections while it is still using them.
+    """
     if info.distributed and dist.is_initialized():
+        if healthy:
+            dist.barrier()
         dist.destroy_process_group()

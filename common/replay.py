@@ -72,25 +72,26 @@ class ReplayBuffer:
         """Publish that rows below env-local step `written` are complete for `envs`."""
         self.written[envs] = written
 
-    def valid_range(self, written: int, window: int, n_step: int) -> tuple[int, int]:
+    def valid_range(self, written: int, window: int, n_step: int,
+                    floor: int = 0) -> tuple[int, int]:
         """Env-local steps [lo, hi) that may start an n-step sample.
 
         Rows at or above `written` are not complete; the `window` rows after it may be
         overwritten by a write in flight, which in a ring lands on the oldest rows; and a
-        start needs its n-1 successors written too.
+        start needs its n-1 successors written too. Steps below `floor` hold no data.
         """
-        lo = max(0, written + window - self.capacity)
+        lo = max(floor, written + window - self.capacity)
         return lo, written - n_step + 1
 
     def sample(self, rng: np.random.Generator, batch_size: int, n_step: int, gamma: float,
-               written: int, window: int = 0) -> dict[str, np.ndarray]:
+               written: int, window: int = 0, floor: int = 0) -> dict[str, np.ndarray]:
         """Sample `batch_size` n-step transitions from env-local steps below `written`.
 
         Returns obs, actions, rewards (discounted n-step sum), next_obs (the observation
         after the last step used) and discounts (gamma**k, or 0 when that step terminated).
         Sums stop at the first episode end, so they never cross a reset.
         """
-        lo, hi = self.valid_range(written, window, n_step)
+        lo, hi = self.valid_range(written, window, n_step, floor)
         if hi <= lo:
             raise ValueError(f"nothing to sample: steps [{lo}, {hi}) with written={written}")
         env = rng.integers(0, self.num_envs, size=batch_size)

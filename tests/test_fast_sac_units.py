@@ -107,7 +107,8 @@ def test_recipe_defaults_fill_only_unset_fields():
 
 @pytest.mark.parametrize("env_id, expect_terminations", [("Pendulum-v1", False),
                                                           ("InvertedPendulum-v5", True)])
-def test_collector_stores_true_final_observation(env_id, expect_terminations, no_shm_leak):
+def test_collector_stores_true_final_observation(env_id, expect_terminations, tmp_path,
+                                                 no_shm_leak):
     """A real collector subprocess: transitions never span a reset; truncation is no
     termination."""
     args = fs.resolve_args(fs.Args(env=env_id, device="cpu", num_envs=2, steps_per_iter=50,
@@ -120,13 +121,15 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, no
     actor = fs.Actor(obs_dim, act_dim, 32, low, high, -5.0, 1.0)
     ws = WeightSync.create(actor)
     proc = mp.get_context("spawn").Process(target=fs.collector,
-                                           args=(args, rb.spec, ws.spec, ctrl.spec))
+                                           args=(args, rb.spec, ws.spec, ctrl.spec,
+                                                 str(tmp_path)))
     try:
         proc.start()
         for version in range(8):  # lockstep: one version per chunk
             ws.publish(actor, version)
             deadline = time.time() + 60
-            while ctrl.chunks_done <= version and time.time() < deadline:
+            while (ctrl.chunks_done <= version and time.time() < deadline
+                   and proc.exitcode is None):
                 time.sleep(0.01)
         proc.join(30)
         assert proc.exitcode == 0 and ctrl.state == FINISHED, ctrl.error_text()

@@ -62,9 +62,11 @@ def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_lea
 def test_async_mode_trains_and_logs_update_ratio(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script(script, *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
-                     "--run-dir", run_dir)
+                     "--save-interval", "800", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(run_dir, "async", script)
+    saved = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
+    assert 1 <= len(saved) <= 2, saved  # near 800 and 1600 env steps; the end: model_final
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(run_dir)

@@ -1,0 +1,156 @@
+"""Resume, checkpoints and injected faults, on real short runs."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import SMALL, run_script
+from test_runs import children, read_summary, start_run
+
+
+def final_params(run_dir):
+    ckpt = torch.load(os.path.join(run_dir, "model_final.pt"), weights_only=False)
+    return ckpt
+
+
+def assert_same_params(a, b):
+    for net in ("actor", "critics", "critics_target"):
+        for key in a[net]:
+            assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs"
+
+
+@pytest.mark.parametrize("script, mode, env", [
+    ("fast_sac.py", "lockstep", "Pendulum-v1"),
+    ("fast_sac.py", "pipelined", "InvertedPendulum-v5"),
+    ("fast_td3.py", "lockstep", "InvertedPendulum-v5"),
+])
+def test_resume_with_replay_matches_uninterrupted_run(script, mode, env, tmp_path,
+                                                      no_shm_leak):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    flags = [*SMALL, "--env", env, "--sync-mode", mode, "--total-timesteps", "1600"]
+    res = run_script(script, *flags, "--save-interval", "800", "--save-replay",
+                     "--run-dir", full)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert os.path.exists(os.path.join(full, "checkpoint_800.pt"))
+    assert os.path.exists(os.path.join(full, "checkpoint_800.replay.npz"))
+    res = run_script(script, "--resume", os.path.join(full, "checkpoint_800.pt"),
+                     "--run-dir", resumed)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = final_params(full), final_params(resumed)
+    assert a["num_updates"] == b["num_updates"] and b["global_step"] == 1600
+    assert_same_params(a, b)
+
+
+def test_resume_without_replay_continues_training(tmp_path, no_shm_leak):
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "800", "--run-dir", first)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script("fast_sac.py", "--resume", first, "--total-timesteps", "1600",
+                     "--run-dir", second)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = read_summary(second)
+    assert s["status"] == "completed" and s["total_env_steps"] == 1600
+    assert s["num_updates"] > final_params(first)["num_updates"]  # it trained again
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--env", "Hopper-v5"], "was trained on Pendulum-v1"),
+    (["--critic-hidden", "64"], "does not match the checkpoint"),
+])
+def test_incompatible_resume_is_refused(flags, message, tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script("fast_sac.py", "--resume", run_dir, *flags)
+    assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
+    other = run_script("fast_td3.py", "--resume", run_dir)
+    assert other.returncode == 2 and "not written by fast_td3.py" in other.stderr
+
+
+def test_eval_only_prints_mean_and_std(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script("fast_sac.py", "--eval-only", "--checkpoint", run_dir,
+                     "--eval-episodes", "3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Pendulum-v1: return" in res.stdout and "over 3 deterministic episodes" in res.stdout
+
+
+def test_restart_collector_carries_on(tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path, "fast_sac.py", "--restart-collector")
+    (collector,) = children(proc.pid)
+    os.kill(collector, signal.SIGKILL)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # a new collector appears and training goes on
+        kids = children(proc.pid)
+        if kids and kids != [collector]:
+            break
+        time.sleep(0.2)
+    assert kids and kids != [collector], "no new collector was started"
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert "starting collector #2" in err
+    s = read_summary(run_dir)
+    assert s["status"] == "interrupted" and s["collector_restarts"] == 1
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "20000", "--save-interval",
+                     "400", "--critic-lr", "1e12", "--actor-lr", "1e12", "--run-dir", run_dir)
+    assert res.returncode != 0
+    assert "non-finite" in res.stderr and "at env step" in res.stderr
+    assert read_summary(run_dir)["status"] == "diverged"
+    for name in os.listdir(run_dir):
+        if name.endswith(".pt"):  # every checkpoint that exists is a finite one
+            state = torch.load(os.path.join(run_dir, name), weights_only=False)
+            for t in state["critics"].values():
+                assert torch.isfinite(t).all(), name
+
+
+def test_quiet_prints_no_progress(tmp_path, no_shm_leak):
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--quiet",
+                     "--run-dir", str(tmp_path / "r"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step " not in res.stdout and "final eval" in res.stdout
+
+
+def can_render() -> str | None:
+    """None if MuJoCo can render offscreen here, else the reason."""
+    import subprocess
+    import sys
+
+    code = ("import gymnasium as gym; e = gym.make('InvertedPendulum-v5', render_mode="
+            "'rgb_array', width=32, height=32); e.reset(seed=0); assert e.render().shape[0]")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, MUJOCO_GL="egl"))
+    return None if res.returncode == 0 else res.stderr.strip().splitlines()[-1]
+
+
+def test_capture_video_writes_files(tmp_path, no_shm_leak):
+    reason = can_render()
+    if reason:
+        pytest.skip(f"offscreen rendering is not possible here: {reason}")
+    run_dir = tmp_path / "run"
+    res = run_script("fast_sac.py", *SMALL, "--env", "InvertedPendulum-v5", "--total-timesteps",
+                     "800", "--eval-interval", "400", "--capture-video", "--run-dir",
+                     str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    videos = sorted(os.listdir(run_dir / "videos"))
+    assert len(videos) == 2, videos  # at 400 steps and at the end
+    assert all(os.path.getsize(run_dir / "videos" / v) > 1000 for v in videos)
+
+
+def test_plot_draws_curves(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = str(tmp_path / "curves.png")
+    res = run_script(os.path.join("benchmarks", "plot.py"), run_dir, "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
