@@ -823,6 +823,12 @@ class NoWriter:
     add_text = close = add_scalar
 
 
+def gather_rng(rng: np.random.Generator, info: D.DistInfo) -> list[dict]:
+    """Every rank's sampling and torch RNG states, in rank order (for an exact resume)."""
+    mine = {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state().tolist()}
+    return [json.loads(x) for x in D.gather_strings(json.dumps(mine), info)]
+
+
 def update_normalizer(normalizer: Normalizer, x: torch.Tensor, info: D.DistInfo) -> None:
     """Fold every node's new observations into the normalizer, identically on all ranks.
 
@@ -897,9 +903,10 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
     timers, t_first_update, t_last_update = dict(wait=0.0, learn=0.0, sync=0.0), None, None
     progress = Progress(args if is_main else dataclasses.replace(args, quiet=True), learner)
 
-    def checkpoint(name: str, collector_state: dict | None) -> None:
-        """Save networks, optimizers, counters and RNG (global rank 0 only). A resumed run
-        starts fresh collectors and refills the buffers."""
+    def checkpoint(name: str, collector_state: dict | None, rank_rng: list | None = None) -> None:
+        """Save networks, optimizers, counters and RNG (global rank 0 only); with the
+        collector's snapshot, every rank's RNG and (--save-replay) the replay, a resumed
+        single-node run continues exactly; otherwise it starts fresh collectors."""
         if not is_main:
             return
         if not learner.all_finite():
@@ -908,7 +915,7 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
         state = learner.state_dict() | {
             "args": dataclasses.asdict(args), "script": "fast_sac_multigpu", **loop,
             "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-            "collector": collector_state, "replay": None}
+            "collector": collector_state, "replay": None, "rank_rng": rank_rng}
         if collector_state is not None and args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
             save_replay(rb, os.path.join(run_dir, state["replay"]),
@@ -928,7 +935,12 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
         if resume is not None:
             start = restore_learner(resume, learner, rng, loop, owns_node and rb, ctrl, run_dir,
                                     S)
-            rng = np.random.default_rng([args.seed, info.rank, loop["iteration"]])
+            if resume.get("rank_rng") and len(resume["rank_rng"]) == info.world_size:
+                mine = resume["rank_rng"][info.rank]  # an exact continuation of this rank
+                rng.bit_generator.state = mine["rng"]
+                torch.set_rng_state(torch.tensor(mine["torch_rng"], dtype=torch.uint8))
+            else:
+                rng = np.random.default_rng([args.seed, info.rank, loop["iteration"]])
         if owns_node:
             ws.publish(learner.actor, loop["version"])
             # each node's envs get their own seeds
@@ -966,7 +978,15 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
             written = chunks * S
             global_step = loop["global_step"] = written * E * info.num_nodes
             done = chunks >= num_chunks
-            save_now = global_step >= next_save and not done
+            # a checkpoint holds the collector's state at the start of the chunk that needs
+            # the weights of this iteration, so it is asked for before they are published
+            # (single node only: each node's collector state stays on its node)
+            snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(args.sync_mode, 0)
+            save_now = global_step >= next_save and snapshot_chunk < num_chunks
+            snapshot = save_now and info.num_nodes == 1
+            if snapshot and owns_node:
+                ctrl.snapshot_chunk = snapshot_chunk
+                ctrl.snapshot_req += 1
             t0 = time.perf_counter()
             if written > loop["normalized_upto"]:
                 first = max(loop["normalized_upto"], written - capacity, loop["floor"])
@@ -1023,7 +1043,15 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
                                  f"+- {returns.std():.1f}")
                 next_eval = next_multiple(global_step, args.eval_interval)
             if save_now:
-                checkpoint(f"checkpoint_{global_step}.pt", None)
+                rank_rng = gather_rng(rng, info)
+                collector_state = None
+                if snapshot and owns_node:
+                    timers["wait"] += wait_until(lambda: ctrl.snapshot_done == ctrl.snapshot_req
+                                                 or ctrl.state == FINISHED, proc, ctrl)
+                    if ctrl.snapshot_done == ctrl.snapshot_req:
+                        with open(os.path.join(run_dir, COLLECTOR_STATE), "rb") as f:
+                            collector_state = pickle.load(f)
+                checkpoint(f"checkpoint_{global_step}.pt", collector_state, rank_rng)
                 next_save = next_multiple(global_step, args.save_interval)
             if done:
                 break
@@ -1061,6 +1089,9 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
                 mem.close()
                 if owns_node:
                     mem.unlink()
+        if owns_node:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(run_dir, COLLECTOR_STATE))
         writer.close()
     if not is_main:
         return exit_code
@@ -1188,12 +1219,12 @@ def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
     first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
     start = ckpt["collector"] or {"chunk": first, "restart": loop["restarts"] + 1}
     chunk = start["chunk"]
-    if ckpt["replay"]:
+    if ckpt["replay"] and rb:
         with np.load(os.path.join(ckpt["dir"], ckpt["replay"])) as saved:
             for key in ("obs", "next_obs", "actions", "rewards", "terminated", "dones"):
                 getattr(rb, key)[:] = saved[key]
             assert int(saved["written"]) == chunk * S
-    else:  # nothing below this chunk is in the buffer: refill before updating again
+    elif not ckpt["replay"]:  # nothing below this chunk is in the buffer: refill first
         loop["floor"] = chunk * S
         loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
     if rb:
@@ -1315,11 +1346,11 @@ def main(argv=None) -> int:
         resume = None
         if args.resume:
             args, resume = load_for_resume(args)
-        if args.save_replay:
-            raise ArgsError("--save-replay is not supported by fast_sac_multigpu.py yet: a "
-                            "resumed run starts fresh collectors and refills the buffers")
         args = resolve_args(args)
         info = D.init(args.dist_backend, args.device, args.dist_timeout)
+        if args.save_replay and info.num_nodes > 1:
+            raise ArgsError("--save-replay works on one node: each node's buffer and "
+                            "collector state stay on that node")
     except (ArgsError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

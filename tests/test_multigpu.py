@@ -152,3 +152,20 @@ def test_killed_rank_stops_every_process(tmp_path):
         time.sleep(0.2)
     assert not alive, f"processes left: {alive}"
     assert not shm_files() - before
+
+
+def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm_leak):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    common = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT]
+    res = subprocess.run([*common, *SMALL, "--total-timesteps", "1600", "--sync-mode",
+                          "lockstep", "--save-interval", "800", "--save-replay",
+                          "--run-dir", full],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-4000:]
+    res = subprocess.run([*common, "--resume", os.path.join(full, "checkpoint_800.pt"),
+                          "--run-dir", resumed],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-4000:]
+    a, b = summary(full), summary(resumed)
+    assert a["num_updates"] == b["num_updates"] and b["total_env_steps"] == 1600
+    assert a["rank_param_hashes"] == b["rank_param_hashes"]
