@@ -69,18 +69,23 @@ def test_incompatible_resume_is_refused(flags, message, tmp_path, no_shm_leak):
     assert other.returncode == 2 and "not written by fast_td3.py" in other.stderr
 
 
-def test_eval_only_prints_mean_and_std(tmp_path, no_shm_leak):
+ALL = ["fast_sac.py", "fast_td3.py", "fast_sac_multigpu.py"]
+
+
+@pytest.mark.parametrize("script", ALL)
+def test_eval_only_prints_mean_and_std(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
-    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
+    res = run_script(script, *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = run_script("fast_sac.py", "--eval-only", "--checkpoint", run_dir,
+    res = run_script(script, "--eval-only", "--checkpoint", run_dir,
                      "--eval-episodes", "3")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Pendulum-v1: return" in res.stdout and "over 3 deterministic episodes" in res.stdout
 
 
-def test_restart_collector_carries_on(tmp_path, no_shm_leak):
-    proc, run_dir = start_run(tmp_path, "fast_sac.py", "--restart-collector")
+@pytest.mark.parametrize("script", ALL)
+def test_restart_collector_carries_on(script, tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path, script, "--restart-collector")
     (collector,) = children(proc.pid)
     os.kill(collector, signal.SIGKILL)
     deadline = time.time() + 60
@@ -98,9 +103,10 @@ def test_restart_collector_carries_on(tmp_path, no_shm_leak):
     assert s["status"] == "interrupted" and s["collector_restarts"] == 1
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, no_shm_leak):
+@pytest.mark.parametrize("script", ALL)
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
-    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "20000", "--save-interval",
+    res = run_script(script, *SMALL, "--total-timesteps", "20000", "--save-interval",
                      "400", "--critic-lr", "1e12", "--actor-lr", "1e12", "--run-dir", run_dir)
     assert res.returncode != 0
     assert "non-finite" in res.stderr and "at env step" in res.stderr
@@ -154,3 +160,38 @@ def test_plot_draws_curves(tmp_path, no_shm_leak):
     assert res.returncode == 0, res.stderr[-2000:]
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
+    """On a terminal the run shows a tqdm bar with env steps, rates, return and ETA."""
+    import pty
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    leader, follower = pty.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL,
+                             "--total-timesteps", "800", "--run-dir", str(tmp_path / "r")],
+                            cwd=ROOT, stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(120)
+    os.close(leader)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-2000:]
+    assert "800/800" in text and "updates/s" in text and "SPS" in text
+    assert "<" in text  # tqdm's elapsed<remaining (ETA)

@@ -139,7 +139,7 @@ def wait_gone(pid, seconds):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
-    proc, run_dir = start_run(tmp_path, script)
+    proc, run_dir = start_run(tmp_path, script, "--save-interval", "200")
     (collector,) = children(proc.pid)
     os.kill(collector, signal.SIGKILL)
     t0 = time.time()
@@ -148,6 +148,10 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     assert proc.returncode != 0
     assert "collector failed" in err
     assert read_summary(run_dir)["status"] == "failed"
+    saved = [f for f in os.listdir(run_dir) if f.startswith("checkpoint_") and f.endswith(".pt")]
+    assert saved  # the latest checkpoint is intact: it loads
+    newest = max(saved, key=lambda f: int(f.split("_")[1].split(".")[0]))
+    assert torch.load(os.path.join(run_dir, newest), weights_only=False)["num_updates"] > 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
