@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,17 +61,21 @@ def main(s: Soak) -> None:
          str(s.buffer_size), "--total-timesteps", "100000000", "--eval-interval", "0",
          "--log-interval", str(s.every), "--run-dir", run_dir],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    os.set_blocking(proc.stdout.fileno(), False)
-    t0, rows, step = time.time(), [], 0
+    progress = {"step": 0}
+
+    def follow():  # the run's progress lines give the env step count
+        for line in proc.stdout:
+            m = re.match(r"step\s+([\d,]+)", line)
+            if m:
+                progress["step"] = int(m.group(1).replace(",", ""))
+
+    threading.Thread(target=follow, daemon=True).start()
+    t0, rows = time.time(), []
     try:
         while time.time() - t0 < s.minutes * 60 and proc.poll() is None:
             time.sleep(s.every)
-            for line in (proc.stdout.read() or "").splitlines():
-                m = re.match(r"step\s+([\d,]+)", line)
-                if m:
-                    step = int(m.group(1).replace(",", ""))
             kid = collector_of(proc.pid)
-            row = {"t_min": round((time.time() - t0) / 60, 2), "env_steps": step,
+            row = {"t_min": round((time.time() - t0) / 60, 2), "env_steps": progress["step"],
                    "learner": rss(proc.pid), "collector": rss(kid) if kid else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
