@@ -690,7 +690,8 @@ class Learner:
                 actor_loss, alpha_loss = self.update_actor(obs[mb])
                 actor_losses.append(actor_loss)
                 alpha_losses.append(alpha_loss)
-            torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
+            with torch.no_grad():  # else every lerp joins an ever-growing autograd graph
+                torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
         out = {"qf_loss": torch.stack(qf_losses).mean(), "alpha": self.log_alpha.detach().exp()}
         if actor_losses:
             out["actor_loss"] = torch.stack(actor_losses).mean()

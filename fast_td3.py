@@ -694,7 +694,8 @@ class Learner:
             self.num_updates += 1
             if self.num_updates % args.policy_frequency == 0:
                 actor_losses.append(self.update_actor(obs[mb]))
-            torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
+            with torch.no_grad():  # else every lerp joins an ever-growing autograd graph
+                torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
         out = {"qf_loss": torch.stack(qf_losses).mean()}
         if actor_losses:
             out["actor_loss"] = torch.stack(actor_losses).mean()

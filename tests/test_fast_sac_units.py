@@ -153,3 +153,21 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, tm
         for mem in (rb, ws, ctrl):
             mem.close()
             mem.unlink()
+
+
+def test_target_update_keeps_targets_out_of_autograd():
+    """Soft target updates must not record autograd history (it grew without bound)."""
+    torch.manual_seed(0)
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", critic_hidden=32,
+                                   actor_hidden=32, num_atoms=11, batch_size=16,
+                                   updates_per_iter=2))
+    learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
+                         torch.device("cpu"))
+    before = [p.clone() for p in learner.critics_target.parameters()]
+    batch = {"obs": torch.randn(32, 3), "next_obs": torch.randn(32, 3),
+             "actions": torch.rand(32, 1) * 4 - 2, "rewards": torch.randn(32),
+             "discounts": torch.full((32,), 0.9)}
+    learner.train_iteration(batch)
+    for old, p in zip(before, learner.critics_target.parameters()):
+        assert p.grad_fn is None and not p.requires_grad and p.is_leaf
+        assert not torch.equal(old, p)  # but they did move towards the online critics
