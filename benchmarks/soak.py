@@ -81,7 +81,7 @@ def main(s: Soak) -> None:
             print(json.dumps(row), flush=True)
     finally:
         proc.send_signal(2)
-        proc.wait(60)
+        proc.wait(300)
     full = [r for r in rows if r["env_steps"] >= s.buffer_size]
     result = {"soak": vars(s), "rows": rows}
     if len(full) >= 2:
