@@ -38,6 +38,9 @@ def check_run_dir(run_dir, mode, script):
 
 
 SCRIPTS = ["fast_sac.py", "fast_td3.py"]
+# fault handling is the same code in the multi-GPU script; run as one process it needs no
+# torchrun
+FAULT_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -137,7 +140,7 @@ def wait_gone(pid, seconds):
     return gone(pid)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", FAULT_SCRIPTS)
 def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     proc, run_dir = start_run(tmp_path, script, "--save-interval", "200")
     (collector,) = children(proc.pid)
@@ -155,7 +158,7 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", FAULT_SCRIPTS)
 def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_leak):
     proc, run_dir = start_run(tmp_path, script)
     (collector,) = children(proc.pid)
@@ -170,7 +173,7 @@ def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_lea
     assert wait_gone(collector, 5)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", FAULT_SCRIPTS)
 def test_learner_killed_collector_exits_and_removes_memory(script, tmp_path):
     before = shm_files()
     proc, _ = start_run(tmp_path, script)
