@@ -857,8 +857,7 @@ def train(args: Args, resume: dict | None = None) -> int:
             "collector": collector_state, "replay": None}
         if collector_state is not None and args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
-            save_replay(rb, os.path.join(run_dir, state["replay"]),
-                        collector_state["chunk"] * S)
+            rb.save(os.path.join(run_dir, state["replay"]), collector_state["chunk"] * S)
         save_checkpoint(run_dir, name, state)
 
     try:
@@ -1105,15 +1104,6 @@ def restart_collector(args, error, proc, rb, ws, ctrl, run_dir, loop, S) -> mp.P
                                                           "restart": loop["restarts"]})
 
 
-def save_replay(rb: ReplayBuffer, path: str, written: int) -> None:
-    """The buffer's rows and fill level, atomically (temporary file, then rename)."""
-    arrays = {k: getattr(rb, k) for k in ("obs", "next_obs", "actions", "rewards",
-                                          "terminated", "dones")}
-    with open(path + ".tmp", "wb") as f:
-        np.savez(f, written=np.array(written), **arrays)
-    os.replace(path + ".tmp", path)
-
-
 def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
     """Load a checkpoint into the learner and buffers; returns the collector's start."""
     learner.load_state_dict(ckpt)
@@ -1125,10 +1115,8 @@ def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
     start = ckpt["collector"] or {"chunk": first, "restart": loop["restarts"] + 1}
     chunk = start["chunk"]
     if ckpt["replay"]:
-        with np.load(os.path.join(ckpt["dir"], ckpt["replay"])) as saved:
-            for key in ("obs", "next_obs", "actions", "rewards", "terminated", "dones"):
-                getattr(rb, key)[:] = saved[key]
-            assert int(saved["written"]) == chunk * S
+        loaded = rb.load(os.path.join(ckpt["dir"], ckpt["replay"]))
+        assert loaded == chunk * S, "replay file and collector snapshot disagree"
     else:  # nothing below this chunk is in the buffer: refill before updating again
         loop["floor"] = chunk * S
         loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)

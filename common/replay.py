@@ -12,9 +12,13 @@ written is never read.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from common.shm import SharedArrays, nbytes_of
+
+FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated", "dones")
 
 
 def _specs(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> dict:
@@ -36,7 +40,7 @@ class ReplayBuffer:
     def __init__(self, arrays: SharedArrays, spec: dict):
         self.mem, self.spec = arrays, spec
         self.num_envs, self.capacity = spec["num_envs"], spec["capacity"]
-        for key in ("written", "obs", "next_obs", "actions", "rewards", "terminated", "dones"):
+        for key in ("written", *FIELDS):
             setattr(self, key, arrays[key])
 
     @staticmethod
@@ -118,6 +122,20 @@ class ReplayBuffer:
         """Observations of env-local steps [start, stop) of every env, flattened."""
         idx = np.arange(start, stop) % self.capacity
         return self.obs[:, idx].reshape(-1, self.obs.shape[-1])
+
+    def save(self, path: str, written: int) -> None:
+        """Write every row and the fill level `written` to `path` (.npz) atomically: via a
+        temporary file and a rename, so a crash never leaves a half-written file."""
+        with open(path + ".tmp", "wb") as f:
+            np.savez(f, written=np.array(written), **{k: getattr(self, k) for k in FIELDS})
+        os.replace(path + ".tmp", path)
+
+    def load(self, path: str) -> int:
+        """Fill the rows from a file written by `save`; returns its fill level."""
+        with np.load(path) as saved:
+            for key in FIELDS:
+                getattr(self, key)[:] = saved[key]
+            return int(saved["written"])
 
     def close(self) -> None:
         """Unmap in this process."""
