@@ -121,7 +121,7 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, tm
     actor = fs.Actor(obs_dim, act_dim, 32, low, high, -5.0, 1.0)
     ws = WeightSync.create(actor)
     proc = mp.get_context("spawn").Process(target=fs.collector,
-                                           args=(args, rb.spec, ws.spec, ctrl.spec,
+                                           args=(args, 0, rb.spec, ws.spec, ctrl.spec,
                                                  str(tmp_path)))
     try:
         proc.start()
@@ -171,3 +171,43 @@ def test_target_update_keeps_targets_out_of_autograd():
     for old, p in zip(before, learner.critics_target.parameters()):
         assert p.grad_fn is None and not p.requires_grad and p.is_leaf
         assert not torch.equal(old, p)  # but they did move towards the online critics
+
+
+def test_env_slices_partition_the_envs():
+    for num_envs in (1, 5, 8, 32):
+        for k in range(1, num_envs + 1):
+            slices = [fs.env_slice(num_envs, k, i) for i in range(k)]
+            envs = [e for s in slices for e in range(num_envs)[s]]
+            assert envs == list(range(num_envs))  # disjoint, in order, none missing
+            sizes = [s.stop - s.start for s in slices]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_control_rows_are_per_collector(no_shm_leak):
+    ctrl = Control.create(3)
+    try:
+        other = Control.attach(ctrl.spec, index=2)
+        other.chunks_done = 7
+        other.log_episode(1.5, 10, 80)
+        ctrl.row(1).chunks_done = 4
+        assert ctrl.slowest() == 0 and ctrl.chunks_done == 0
+        ctrl.chunks_done = 5
+        assert ctrl.slowest() == 4
+        counts, episodes = ctrl.all_episodes_since([0, 0, 0])
+        assert counts == [0, 0, 1] and episodes.tolist() == [[1.5, 10, 80]]
+        ctrl.ask_snapshot(3)
+        assert not ctrl.snapshots_taken() and other.snapshot_chunk == 3
+        for i in range(3):
+            ctrl.row(i).snapshot_done = ctrl.row(i).snapshot_req
+        assert ctrl.snapshots_taken()
+        ctrl.stop_all()
+        assert other.stop
+        other.close()
+    finally:
+        ctrl.close()
+        ctrl.unlink()
+
+
+def test_too_many_collectors_is_rejected():
+    with pytest.raises(fs.ArgsError, match="--num-collectors must lie in"):
+        fs.resolve_args(fs.Args(env="Pendulum", device="cpu", num_envs=4, num_collectors=5))

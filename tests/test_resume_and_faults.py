@@ -21,15 +21,17 @@ def assert_same_params(a, b):
             assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs"
 
 
-@pytest.mark.parametrize("script, mode, env", [
-    ("fast_sac.py", "lockstep", "Pendulum-v1"),
-    ("fast_sac.py", "pipelined", "InvertedPendulum-v5"),
-    ("fast_td3.py", "lockstep", "InvertedPendulum-v5"),
+@pytest.mark.parametrize("script, mode, env, collectors", [
+    ("fast_sac.py", "lockstep", "Pendulum-v1", 1),
+    ("fast_sac.py", "pipelined", "InvertedPendulum-v5", 1),
+    ("fast_sac.py", "pipelined", "InvertedPendulum-v5", 2),
+    ("fast_td3.py", "lockstep", "InvertedPendulum-v5", 2),
 ])
-def test_resume_with_replay_matches_uninterrupted_run(script, mode, env, tmp_path,
+def test_resume_with_replay_matches_uninterrupted_run(script, mode, env, collectors, tmp_path,
                                                       no_shm_leak):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    flags = [*SMALL, "--env", env, "--sync-mode", mode, "--total-timesteps", "1600"]
+    flags = [*SMALL, "--env", env, "--sync-mode", mode, "--total-timesteps", "1600",
+             "--num-envs", str(2 * collectors), "--num-collectors", str(collectors)]
     res = run_script(script, *flags, "--save-interval", "800", "--save-replay",
                      "--run-dir", full)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -83,22 +85,25 @@ def test_eval_only_prints_mean_and_std(script, tmp_path, no_shm_leak):
     assert "Pendulum-v1: return" in res.stdout and "over 3 deterministic episodes" in res.stdout
 
 
-@pytest.mark.parametrize("script", ALL)
-def test_restart_collector_carries_on(script, tmp_path, no_shm_leak):
-    proc, run_dir = start_run(tmp_path, script, "--restart-collector")
-    (collector,) = children(proc.pid)
-    os.kill(collector, signal.SIGKILL)
+@pytest.mark.parametrize("script, collectors", [(s, 1) for s in ALL] + [("fast_sac.py", 3)])
+def test_restart_collector_carries_on(script, collectors, tmp_path, no_shm_leak):
+    proc, run_dir = start_run(tmp_path, script, "--restart-collector", "--num-envs",
+                              str(2 * collectors), "--num-collectors", str(collectors))
+    kids = children(proc.pid)
+    assert len(kids) == collectors
+    victim = kids[-1]
+    os.kill(victim, signal.SIGKILL)
     deadline = time.time() + 60
     while time.time() < deadline:  # a new collector appears and training goes on
         kids = children(proc.pid)
-        if kids and kids != [collector]:
+        if len(kids) == collectors and victim not in kids:
             break
         time.sleep(0.2)
-    assert kids and kids != [collector], "no new collector was started"
+    assert len(kids) == collectors and victim not in kids, "no new collector was started"
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert "starting collector #2" in err
+    assert f"restart #1: starting a new collector {collectors - 1}" in err
     s = read_summary(run_dir)
     assert s["status"] == "interrupted" and s["collector_restarts"] == 1
 

@@ -62,6 +62,29 @@ def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_lea
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_several_collectors_are_deterministic_and_cover_every_env(script, tmp_path,
+                                                                  no_shm_leak):
+    """Three collectors stepping 5 envs (slices of 2, 1, 2): the same seed gives the same
+    parameters, every env's ring is filled, and async mode also works with them."""
+    params = []
+    for name in ("a", "b"):
+        run_dir = str(tmp_path / name)
+        res = run_script(script, *SMALL, "--total-timesteps", "1000", "--num-envs", "5",
+                         "--num-collectors", "3", "--run-dir", run_dir)
+        assert res.returncode == 0, res.stderr[-3000:]
+        params.append(check_run_dir(run_dir, "pipelined", script))
+    a, b = params
+    for net in ("actor", "critics"):
+        for key in a[net]:
+            assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs between runs"
+    run_dir = str(tmp_path / "async")
+    res = run_script(script, *SMALL, "--total-timesteps", "2000", "--num-envs", "5",
+                     "--num-collectors", "3", "--sync-mode", "async", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert check_run_dir(run_dir, "async", script)["global_step"] >= 2000
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_async_mode_trains_and_logs_update_ratio(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script(script, *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
@@ -173,15 +196,19 @@ def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_lea
     assert wait_gone(collector, 5)
 
 
-@pytest.mark.parametrize("script", FAULT_SCRIPTS)
-def test_learner_killed_collector_exits_and_removes_memory(script, tmp_path):
+@pytest.mark.parametrize("script, collectors", [(s, 1) for s in FAULT_SCRIPTS]
+                         + [("fast_sac.py", 2)])
+def test_learner_killed_collector_exits_and_removes_memory(script, collectors, tmp_path):
     before = shm_files()
-    proc, _ = start_run(tmp_path, script)
-    (collector,) = children(proc.pid)
+    proc, _ = start_run(tmp_path, script, "--num-envs", "2", "--num-collectors",
+                        str(collectors))
+    kids = children(proc.pid)
+    assert len(kids) == collectors
     assert shm_files() - before  # the run's segments exist
     proc.kill()
     proc.wait()
-    assert wait_gone(collector, 10), "collector outlived its learner"
+    for collector in kids:
+        assert wait_gone(collector, 10), "collector outlived its learner"
     deadline = time.time() + 10
     while shm_files() - before and time.time() < deadline:
         time.sleep(0.1)
