@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.control import (
+    CHUNKS_DONE,
     COLLECT_S,
     FAILED,
     FINISHED,
@@ -63,7 +64,10 @@ class Args:
 
     # sizes; None means the recipe default for the learner's device (see README)
     num_envs: int | None = None
-    """parallel environments in the collector (default 8 on CPU, 32 on GPU)"""
+    """parallel environments, all collectors together (default 8 on CPU, 32 on GPU)"""
+    num_collectors: int | None = None
+    """collector subprocesses, each stepping its own slice of the envs (default: see
+    default_num_collectors; 1 on a CPU machine of up to 4 cores)"""
     buffer_size: int | None = None
     """replay capacity in transitions, all envs together (default 1M)"""
     batch_size: int | None = None
@@ -142,7 +146,7 @@ class Args:
     quiet: bool = False
     """no progress bar or progress lines (evaluations and errors are still printed)"""
     learner_threads: int | None = None
-    """torch threads of the learner on CPU (default: all cores up to 4, else cores - 1)"""
+    """torch threads of the learner on CPU (default: see default_learner_threads)"""
     track: bool = False
     """log to Weights & Biases (wandb is imported only then)"""
     wandb_project: str = "fast-rl"
@@ -175,6 +179,35 @@ GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_
 
 class ArgsError(ValueError):
     """Bad command-line input, reported before any process starts."""
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def default_num_collectors(device: str, num_envs: int) -> int:
+    """A GPU learner needs about one core to feed the GPU, so the others step envs (one
+    collector per 4 envs at most: fewer envs per process batch the actor's inference
+    poorly). A CPU learner is the bottleneck of the CPU recipe, so it keeps 3/4 of the
+    cores, and on up to 4 cores one collector shares them with it."""
+    cores = available_cores()
+    if device == "cuda":
+        return max(1, min(cores - 2, num_envs // 4))
+    return max(1, min(cores // 4, num_envs // 4)) if cores > 4 else 1
+
+
+def default_learner_threads(num_collectors: int) -> int:
+    """The cores the collectors leave free. With one collector on 2-4 cores the learner
+    uses all of them, because the collector waits for it most of the time there (measured
+    on 2 cores: +15-20% updates/s and faster learning per wall-clock minute; README)."""
+    cores = available_cores()
+    return cores if cores <= 4 and num_collectors == 1 else max(1, cores - num_collectors)
+
+
+def env_slice(num_envs: int, num_collectors: int, index: int) -> slice:
+    """The envs collector `index` steps: contiguous, sizes differing by at most one."""
+    bounds = np.linspace(0, num_envs, num_collectors + 1).round().astype(int)
+    return slice(int(bounds[index]), int(bounds[index + 1]))
 
 
 def resolve_env_id(name: str) -> str:
@@ -215,6 +248,11 @@ def resolve_args(args: Args) -> Args:
     for field in ("learning_starts", "save_interval", "eval_interval"):
         if getattr(args, field) < 0:
             raise ArgsError(f"--{field.replace('_', '-')} must be >= 0")
+    if args.num_collectors is None:
+        args.num_collectors = default_num_collectors(device, args.num_envs)
+    if not 1 <= args.num_collectors <= args.num_envs:
+        raise ArgsError(f"--num-collectors must lie in [1, --num-envs ({args.num_envs})], got "
+                        f"{args.num_collectors}: each collector steps at least one env")
     if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
         raise ArgsError("--gamma and --tau must lie in (0, 1]")
     if not 0 <= args.std_min <= args.std_max:
@@ -225,7 +263,7 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
                         f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
     capacity = args.buffer_size // args.num_envs
-    chunk = args.steps_per_iter * (2 if args.sync_mode == "async" else 1)
+    chunk = args.steps_per_iter * async_window_chunks(args)
     usable = (capacity - chunk - args.n_step + 1) * args.num_envs
     if capacity < 2 * chunk + args.n_step:
         raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
@@ -467,6 +505,13 @@ def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch
 # collector (a spawned subprocess: CPU only, one torch thread)
 
 
+def async_window_chunks(args: Args) -> int:
+    """Chunks past the learner's read position that async collectors may be writing: the
+    one in flight and the next; with several collectors, one more because they may drift
+    a chunk apart (see `_collect`)."""
+    return 1 if args.sync_mode != "async" else 2 if args.num_collectors == 1 else 3
+
+
 def weights_version_for(chunk: int, sync_mode: str) -> int:
     """The weights version the collector acts with in `chunk` (see ARCHITECTURE.md).
 
@@ -475,19 +520,19 @@ def weights_version_for(chunk: int, sync_mode: str) -> int:
     return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
 
 
-def collector(args: Args, rb_spec: dict, ws_spec: dict, ctrl_spec: dict, run_dir: str,
-              start: dict | None = None) -> None:
-    """Step `args.num_envs` envs for all chunks, writing transitions into the replay buffer.
-
-    `start` continues from a snapshot (see `_collect`) instead of fresh episodes.
+def collector(args: Args, index: int, rb_spec: dict, ws_spec: dict, ctrl_spec: dict,
+              run_dir: str, start: dict | None = None) -> None:
+    """Collector `index`: step its slice of the envs for all chunks, writing transitions
+    into the replay buffer. `start` continues from a snapshot (see `_collect`) instead of
+    fresh episodes.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
     torch.set_num_threads(1)
     rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
-    ctrl = Control.attach(ctrl_spec)
+    ctrl = Control.attach(ctrl_spec, index)
     parent = mp.parent_process()
     try:
-        _collect(args, rb, ws, ctrl, parent, run_dir, start)
+        _collect(args, index, rb, ws, ctrl, parent, run_dir, start)
         ctrl.state = FINISHED
     except BaseException:
         if parent is not None and not parent.is_alive():
@@ -519,7 +564,8 @@ class LearnerGone(Exception):
     pass
 
 
-COLLECTOR_STATE = ".collector_state.pkl"
+def collector_state_file(run_dir: str, index: int) -> str:
+    return os.path.join(run_dir, f".collector_state.{index}.pkl")
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -529,17 +575,19 @@ def write_atomic(path: str, data: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
+def _collect(args, index, rb, ws, ctrl, parent, run_dir, start) -> None:
     obs_dim, act_dim, low, high = env_dims(args.env)
     actor = make_actor(args, obs_dim, act_dim, low, high)
-    rng = np.random.default_rng(args.seed + 1)
-    gen = torch.Generator().manual_seed(args.seed + 2)
+    mine = env_slice(args.num_envs, args.num_collectors, index)
+    n = mine.stop - mine.start
+    rng = np.random.default_rng(args.seed + 1 + 1000 * index)
+    gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * index)
     if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
-        envs = make_env(args.env, args.num_envs)
-        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0)
-        obs, _ = envs.reset(seed=[seed + i for i in range(args.num_envs)])
-        ep_return, ep_length = np.zeros(args.num_envs), np.zeros(args.num_envs, dtype=np.int64)
-        noise_std = draw_noise_std(rng, args, args.num_envs)
+        envs = make_env(args.env, n)
+        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
+        obs, _ = envs.reset(seed=[seed + i for i in range(n)])
+        ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
+        noise_std = draw_noise_std(rng, args, n)
         first_chunk = (start or {}).get("chunk", 0)
     else:  # continue exactly where a snapshot left off
         envs = restore_envs(start["envs"])
@@ -555,6 +603,16 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
         t0 = time.perf_counter()
         if args.sync_mode == "async":
             want = None if not random_actions else loaded
+            # stay at most one chunk ahead of the slowest collector, so that the write
+            # window the learner keeps clear (async_window_chunks) holds every write
+            sleep = 1e-4
+            while ctrl.slowest() < chunk - 1:
+                if ctrl.stop:
+                    return
+                if parent is not None and not parent.is_alive():
+                    raise LearnerGone("learner process exited")
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 0.01)
         else:
             want = weights_version_for(chunk, args.sync_mode)
         if want is None or want > loaded:
@@ -577,7 +635,7 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
             ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
         if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
             # for a checkpoint: everything needed to collect this chunk and the rest
-            write_atomic(os.path.join(run_dir, COLLECTOR_STATE), pickle.dumps(dict(
+            write_atomic(collector_state_file(run_dir, index), pickle.dumps(dict(
                 chunk=chunk, envs=capture_envs(envs), obs=obs, rng=rng.bit_generator.state,
                 gen=gen.get_state(), ep_return=ep_return, ep_length=ep_length,
                 noise_std=noise_std)))
@@ -585,7 +643,7 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
         t0 = time.perf_counter()
         for s in range(args.steps_per_iter):
             if random_actions:
-                action = rng.uniform(low, high, size=(args.num_envs, act_dim)).astype(np.float32)
+                action = rng.uniform(low, high, size=(n, act_dim)).astype(np.float32)
             else:
                 action = actor.act(torch.from_numpy(obs).float(), generator=gen,
                                    std=torch.from_numpy(noise_std)).numpy()
@@ -598,7 +656,7 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
                 real_next = next_obs.copy()
                 for i in np.flatnonzero(info["_final_obs"]):
                     real_next[i] = info["final_obs"][i]
-            rb.write(slice(None), step0 + s, obs, action, reward, real_next, terminated, done)
+            rb.write(mine, step0 + s, obs, action, reward, real_next, terminated, done)
             ep_return += reward
             ep_length += 1
             for i in np.flatnonzero(done):
@@ -606,7 +664,7 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
                 ep_return[i], ep_length[i] = 0.0, 0
             noise_std = redraw_noise_std(noise_std, done, rng, args)
             obs = next_obs
-        rb.commit(slice(None), step0 + args.steps_per_iter)
+        rb.commit(mine, step0 + args.steps_per_iter)
         ctrl.chunks_done = chunk + 1
         ctrl.timing[COLLECT_S] += time.perf_counter() - t0
         if ctrl.stop:
@@ -621,7 +679,9 @@ def _collect(args, rb, ws, ctrl, parent, run_dir, start) -> None:
 
 
 class CollectorError(RuntimeError):
-    pass
+    def __init__(self, text: str, index: int):
+        super().__init__(text)
+        self.index = index  # which collector
 
 
 class Learner:
@@ -776,32 +836,30 @@ def capture_video(actor: Actor, args: Args, device, run_dir: str, global_step: i
               "or osmesa and pip install imageio", file=sys.stderr, flush=True)
 
 
-def wait_until(condition, proc: mp.Process, ctrl: Control) -> float:
-    """Sleep-poll `condition` while checking that the collector is alive; returns seconds."""
+def wait_until(condition, procs: list[mp.Process], ctrl: Control) -> float:
+    """Sleep-poll `condition` while checking that the collectors are alive; returns seconds."""
     t0, sleep = time.perf_counter(), 1e-4
     while not condition():
-        if ctrl.state == FAILED or proc.exitcode is not None:
-            raise CollectorError(collector_failure(proc, ctrl))
+        check_collectors(procs, ctrl)
         time.sleep(sleep)
         sleep = min(sleep * 2, 0.005)
     return time.perf_counter() - t0
 
 
-def collector_failure(proc: mp.Process, ctrl: Control) -> str:
-    proc.join(1.0)
-    text = ctrl.error_text()
-    return f"collector failed (exit code {proc.exitcode})" + (f":\n{text}" if text else "")
+def check_collectors(procs: list[mp.Process], ctrl: Control) -> None:
+    """Raise CollectorError for the first collector that failed or exited unfinished."""
+    for i, proc in enumerate(procs):
+        row = ctrl.row(i)
+        if row.state == FAILED or (proc.exitcode is not None and row.state != FINISHED):
+            proc.join(1.0)
+            text = row.error_text()
+            who = "collector" if len(procs) == 1 else f"collector {i}"
+            raise CollectorError(f"{who} failed (exit code {proc.exitcode})"
+                                 + (f":\n{text}" if text else ""), i)
 
 
 def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def default_learner_threads() -> int:
-    """All cores but the collector's; on 2-4 cores all of them, because the collector
-    waits for the learner most of the time there (measured: +20% updates/s on 2 cores)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores if cores <= 4 else cores - 1
 
 
 def raise_keyboard_interrupt(signum, frame):
@@ -813,7 +871,7 @@ def train(args: Args, resume: dict | None = None) -> int:
     t_start = time.time()
     device = torch.device(args.device)
     if device.type == "cpu":
-        torch.set_num_threads(args.learner_threads or default_learner_threads())
+        torch.set_num_threads(args.learner_threads or default_learner_threads(args.num_collectors))
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     run_dir = args.run_dir or (f"runs/{args.env}__fast_td3__{args.seed}__"
@@ -837,7 +895,8 @@ def train(args: Args, resume: dict | None = None) -> int:
     E, S = args.num_envs, args.steps_per_iter
     num_chunks = math.ceil(args.total_timesteps / (E * S))
     capacity = args.buffer_size // E
-    rb = ws = ctrl = proc = None
+    rb = ws = ctrl = None
+    procs: list[mp.Process] = []
     status, exit_code, final_eval = "failed", 1, None
     # what a checkpoint must carry besides the networks to continue the loop exactly;
     # floor: env-local steps below it hold no data (after a resume without the replay)
@@ -845,7 +904,7 @@ def train(args: Args, resume: dict | None = None) -> int:
     timers, t_first_update, t_last_update = dict(wait=0.0, learn=0.0, sync=0.0), None, None
     progress = Progress(args, learner)
 
-    def checkpoint(name: str, collector_state: dict | None) -> None:
+    def checkpoint(name: str, collector_state: list[dict] | None) -> None:
         """Save networks, optimizers, counters and RNG; with the collector's snapshot (and
         the replay, with --save-replay) a resumed run continues exactly."""
         if not learner.all_finite():
@@ -857,20 +916,21 @@ def train(args: Args, resume: dict | None = None) -> int:
             "collector": collector_state, "replay": None}
         if collector_state is not None and args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
-            rb.save(os.path.join(run_dir, state["replay"]), collector_state["chunk"] * S)
+            rb.save(os.path.join(run_dir, state["replay"]), collector_state[0]["chunk"] * S)
         save_checkpoint(run_dir, name, state)
 
     try:
         rb = ReplayBuffer.create(E, capacity, obs_dim, act_dim)
-        ctrl = Control.create()
+        ctrl = Control.create(args.num_collectors)
         ws = WeightSync.create(make_actor(args, obs_dim, act_dim, low, high))
-        start = None
+        starts = [None] * args.num_collectors
         if resume is not None:
-            start = restore_learner(resume, learner, rng, loop, rb, ctrl, run_dir, S)
+            starts = restore_learner(resume, learner, rng, loop, rb, ctrl, run_dir, S)
         ws.publish(learner.actor, loop["version"])
-        proc = start_collector(args, rb, ws, ctrl, run_dir, start)
+        for i, start in enumerate(starts):
+            procs.append(start_collector(args, i, rb, ws, ctrl, run_dir, start))
 
-        episodes_seen = 0
+        episodes_seen = [0] * args.num_collectors
         next_save = next_multiple(loop["global_step"], args.save_interval)
         next_eval = next_multiple(loop["global_step"], args.eval_interval)
         metrics = None
@@ -882,30 +942,31 @@ def train(args: Args, resume: dict | None = None) -> int:
                     # free-running: train on whatever is complete; keep two chunks clear of
                     # the collector's write position: it may finish one while we sample
                     seen = written if written * E < args.learning_starts else 0
-                    timers["wait"] += wait_until(lambda: ctrl.chunks_done * S > seen, proc, ctrl)
-                    chunks = ctrl.chunks_done
-                    window = 2 * S
+                    timers["wait"] += wait_until(lambda: ctrl.slowest() * S > seen, procs, ctrl)
+                    chunks = ctrl.slowest()
+                    window = async_window_chunks(args) * S
                 else:
                     # the schedule fixes which rows exist, so timing cannot change the result
-                    timers["wait"] += wait_until(lambda: ctrl.chunks_done > iteration, proc,
+                    timers["wait"] += wait_until(lambda: ctrl.slowest() > iteration, procs,
                                                  ctrl)
                     chunks = iteration + 1
                     window = S if args.sync_mode == "pipelined" and chunks < num_chunks else 0
             except CollectorError as e:
                 if not args.restart_collector:
                     raise
-                proc = restart_collector(args, e, proc, rb, ws, ctrl, run_dir, loop, S)
+                restart_collector(args, e, procs, rb, ws, ctrl, run_dir, loop, S)
                 continue
             written = chunks * S
             global_step = loop["global_step"] = written * E
             done = chunks >= num_chunks
             # a checkpoint holds the collector's state at the start of the chunk that needs
             # the weights of this iteration, so it is asked for before they are published
-            snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(args.sync_mode, 0)
-            save_now = global_step >= next_save and snapshot_chunk < num_chunks
-            if save_now:
-                ctrl.snapshot_chunk = snapshot_chunk
-                ctrl.snapshot_req += 1
+            # (async collectors drift apart, so with several there is no common snapshot)
+            snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(
+                args.sync_mode, 0 if args.num_collectors == 1 else num_chunks)
+            save_now = global_step >= next_save and not done  # (model_final.pt at the end)
+            if save_now and snapshot_chunk < num_chunks:
+                ctrl.ask_snapshot(snapshot_chunk)
             t0 = time.perf_counter()
             if written > loop["normalized_upto"]:
                 first = max(loop["normalized_upto"], written - capacity, loop["floor"])
@@ -927,7 +988,7 @@ def train(args: Args, resume: dict | None = None) -> int:
             timers["sync"] += t2 - t1
             loop["iteration"] += 1
 
-            episodes_seen, episodes = ctrl.episodes_since(episodes_seen)
+            episodes_seen, episodes = ctrl.all_episodes_since(episodes_seen)
             for ret, length, step in episodes:
                 writer.add_scalar("charts/episodic_return", ret, int(step))
                 writer.add_scalar("charts/episodic_length", length, int(step))
@@ -941,10 +1002,11 @@ def train(args: Args, resume: dict | None = None) -> int:
                 writer.add_scalar("charts/update_to_data",
                                   learner.num_updates / max(global_step, 1), global_step)
                 writer.add_scalar("perf/updates_per_sec", progress.updates_per_s(), global_step)
-                writer.add_scalar("perf/collect_time", ctrl.timing[COLLECT_S], global_step)
-                writer.add_scalar("perf/collector_weight_wait", ctrl.timing[WEIGHT_WAIT_S],
+                timing = ctrl.mean_timing()
+                writer.add_scalar("perf/collect_time", timing[COLLECT_S], global_step)
+                writer.add_scalar("perf/collector_weight_wait", timing[WEIGHT_WAIT_S],
                                   global_step)
-                writer.add_scalar("perf/collector_weight_load", ctrl.timing[WEIGHT_LOAD_S],
+                writer.add_scalar("perf/collector_weight_load", timing[WEIGHT_LOAD_S],
                                   global_step)
                 for k, v in timers.items():
                     writer.add_scalar(f"perf/{k}_time", v, global_step)
@@ -958,18 +1020,18 @@ def train(args: Args, resume: dict | None = None) -> int:
                              f"+- {returns.std():.1f}")
                 next_eval = next_multiple(global_step, args.eval_interval)
             if save_now:
-                timers["wait"] += wait_until(lambda: ctrl.snapshot_done == ctrl.snapshot_req
-                                             or ctrl.state == FINISHED, proc, ctrl)
                 collector_state = None
-                if ctrl.snapshot_done == ctrl.snapshot_req:
-                    with open(os.path.join(run_dir, COLLECTOR_STATE), "rb") as f:
-                        collector_state = pickle.load(f)
+                if snapshot_chunk < num_chunks:
+                    timers["wait"] += wait_until(ctrl.snapshots_taken, procs, ctrl)
+                    collector_state = []
+                    for i in range(args.num_collectors):
+                        with open(collector_state_file(run_dir, i), "rb") as f:
+                            collector_state.append(pickle.load(f))
                 checkpoint(f"checkpoint_{global_step}.pt", collector_state)
                 next_save = next_multiple(global_step, args.save_interval)
             if done:
                 break
-        if ctrl.state == FAILED:
-            raise CollectorError(collector_failure(proc, ctrl))
+        check_collectors(procs, ctrl)
         progress.close()
         returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
         final_eval = float(returns.mean())
@@ -993,14 +1055,15 @@ def train(args: Args, resume: dict | None = None) -> int:
         progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
     finally:
-        ctrl_timing = ctrl.timing.copy() if ctrl is not None else np.zeros(4)
-        stop_collector(proc, ctrl)
+        ctrl_timing = ctrl.mean_timing() if ctrl is not None else np.zeros(4)
+        stop_collectors(procs, ctrl)
         for mem in (rb, ws, ctrl):
             if mem is not None:
                 mem.close()
                 mem.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(run_dir, COLLECTOR_STATE))
+        for i in range(args.num_collectors):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(collector_state_file(run_dir, i))
         writer.close()
     summary = {
         "status": status, "env_id": args.env, "sync_mode": args.sync_mode,
@@ -1081,39 +1144,43 @@ class Progress:
             self.bar = None
 
 
-def start_collector(args, rb, ws, ctrl, run_dir, start) -> mp.Process:
+def start_collector(args, index, rb, ws, ctrl, run_dir, start) -> mp.Process:
     proc = mp.get_context("spawn").Process(
-        target=collector, args=(args, rb.spec, ws.spec, ctrl.spec, run_dir, start),
-        daemon=True, name="fast_td3-collector")
+        target=collector, args=(args, index, rb.spec, ws.spec, ctrl.spec, run_dir, start),
+        daemon=True, name=f"fast_td3-collector-{index}")
     proc.start()
     return proc
 
 
-def restart_collector(args, error, proc, rb, ws, ctrl, run_dir, loop, S) -> mp.Process:
-    """--restart-collector: replace a dead collector with a fresh one at the next chunk."""
+def restart_collector(args, error, procs, rb, ws, ctrl, run_dir, loop, S) -> None:
+    """--restart-collector: replace a dead collector with a fresh one at its next chunk."""
+    i, row = error.index, ctrl.row(error.index)
     loop["restarts"] += 1
-    print(f"warning: {error}\nstarting collector #{loop['restarts'] + 1}", file=sys.stderr,
-          flush=True)
-    stop_collector(proc, ctrl)
-    chunk = ctrl.chunks_done
+    print(f"warning: {error}\nrestart #{loop['restarts']}: starting a new collector {i}",
+          file=sys.stderr, flush=True)
+    row.stop = True
+    stop_collector(procs[i])
+    chunk = row.chunks_done
     if chunk > 0:  # the interrupted episodes end at the last complete row: no n-step sum
-        rb.dones[:, (chunk * S - 1) % rb.capacity] = 1.0  # crosses into the new ones
-    ctrl.stop, ctrl.state = False, RUNNING
-    ctrl.error[:] = 0
-    return start_collector(args, rb, ws, ctrl, run_dir, {"chunk": chunk,
-                                                          "restart": loop["restarts"]})
+        mine = env_slice(args.num_envs, args.num_collectors, i)  # crosses into the new ones
+        rb.dones[mine, (chunk * S - 1) % rb.capacity] = 1.0
+    row.stop, row.state = False, RUNNING
+    row.error[:] = 0
+    procs[i] = start_collector(args, i, rb, ws, ctrl, run_dir,
+                               {"chunk": chunk, "restart": loop["restarts"]})
 
 
-def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
-    """Load a checkpoint into the learner and buffers; returns the collector's start."""
+def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> list[dict]:
+    """Load a checkpoint into the learner and buffers; returns the collectors' starts."""
     learner.load_state_dict(ckpt)
     rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
     # without a snapshot, fresh episodes start at the chunk that uses the saved weights
     first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
-    start = ckpt["collector"] or {"chunk": first, "restart": loop["restarts"] + 1}
-    chunk = start["chunk"]
+    num = ctrl.num
+    starts = ckpt["collector"] or [{"chunk": first, "restart": loop["restarts"] + 1}] * num
+    chunk = starts[0]["chunk"]
     if ckpt["replay"]:
         loaded = rb.load(os.path.join(ckpt["dir"], ckpt["replay"]))
         assert loaded == chunk * S, "replay file and collector snapshot disagree"
@@ -1121,8 +1188,8 @@ def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> dict:
         loop["floor"] = chunk * S
         loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
     rb.commit(slice(None), chunk * S)
-    ctrl.chunks_done = chunk
-    return start
+    ctrl.all_counters[:, CHUNKS_DONE] = chunk
+    return starts
 
 
 def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, t_last_update):
@@ -1140,12 +1207,16 @@ def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, 
     }
 
 
-def stop_collector(proc: mp.Process | None, ctrl: Control | None) -> None:
-    """Ask the collector to stop, then insist: it must be gone before memory is unlinked."""
-    if proc is None:
-        return
+def stop_collectors(procs: list[mp.Process], ctrl: Control | None) -> None:
+    """Ask every collector to stop, then insist: all must be gone before memory is unlinked."""
     if ctrl is not None:
-        ctrl.stop = True
+        ctrl.stop_all()
+    for proc in procs:
+        stop_collector(proc)
+
+
+def stop_collector(proc: mp.Process) -> None:
+    """Wait for a collector that was asked to stop; terminate, then kill it if it lingers."""
     proc.join(5.0)
     if proc.exitcode is None:
         proc.terminate()
@@ -1179,8 +1250,9 @@ def find_checkpoint(path: str) -> str:
 
 
 # fields that must match between a checkpoint and the run that continues it
-RESUME_FIXED = ("env", "num_envs", "buffer_size", "steps_per_iter", "actor_hidden",
-                "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min", "v_max")
+RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_iter",
+                "actor_hidden", "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min",
+                "v_max")
 
 
 def load_for_resume(args: Args) -> tuple[Args, dict]:
