@@ -147,6 +147,16 @@ class Args:
     offscreen rendering: MUJOCO_GL=egl, the default here, or osmesa)"""
     quiet: bool = False
     """no progress bar or progress lines (evaluations and errors are still printed)"""
+    # GPU fast path; None means on with a CUDA learner and off on CPU (see README)
+    compile: bool | None = None
+    """torch.compile the loss computations of the update steps (None: on with CUDA)"""
+    cudagraphs: bool = False
+    """with --compile on CUDA: capture the compiled losses in CUDA graphs (reduce-overhead)"""
+    amp: bool | None = None
+    """bf16 autocast in the update steps (None: on with CUDA)"""
+    prefetch: bool | None = None
+    """gather the next iteration's batch (into pinned memory on CUDA) while this one
+    trains; copies to the GPU do not block (None: on with CUDA)"""
     learner_threads: int | None = None
     """torch threads of the learner on CPU (default: see default_learner_threads)"""
     track: bool = False
@@ -255,6 +265,11 @@ def resolve_args(args: Args) -> Args:
     for field in ("learning_starts", "save_interval", "eval_interval"):
         if getattr(args, field) < 0:
             raise ArgsError(f"--{field.replace('_', '-')} must be >= 0")
+    for flag in ("compile", "amp", "prefetch"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, device == "cuda")
+    if args.cudagraphs and not (device == "cuda" and args.compile):
+        raise ArgsError("--cudagraphs needs a CUDA learner and --compile")
     if args.num_collectors is None:
         args.num_collectors = default_num_collectors(device, args.num_envs)
     if not 1 <= args.num_collectors <= args.num_envs:
@@ -695,17 +710,26 @@ class Learner:
         self.target_entropy = (-act_dim / 2 if args.target_entropy is None
                                else args.target_entropy)
         betas = (0.9, 0.95)
+        # one fused kernel per optimizer step on CUDA; multi-tensor (foreach) ops on CPU
+        fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=args.actor_lr,
                                            betas=betas, weight_decay=args.weight_decay,
-                                           foreach=True)
+                                           **fused)
         self.critic_opt = torch.optim.AdamW(self.critics.parameters(), lr=args.critic_lr,
                                             betas=betas, weight_decay=args.weight_decay,
-                                            foreach=True)
+                                            **fused)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=args.alpha_lr, betas=betas,
-                                          foreach=True)
+                                          **fused)
         self.online_params = list(self.critics.parameters())
         self.target_params = list(self.critics_target.parameters())
         self.num_updates = 0
+        self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
+        if args.compile:
+            mode = "reduce-overhead" if args.cudagraphs else None
+            self.critic_loss_fn = torch.compile(self.critic_loss, mode=mode)
+            self.actor_loss_fn = torch.compile(self.actor_loss, mode=mode)
+        # bf16 autocast; a disabled context costs nothing, so the code path is the same
+        self.autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
         # every rank starts from rank 0's parameters
         D.broadcast_(self.state_tensors(), info)
 
@@ -713,36 +737,45 @@ class Learner:
         modules = (self.actor, self.critics, self.critics_target)
         return [t for m in modules for t in m.state_dict().values()] + [self.log_alpha]
 
-    def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+    def critic_loss(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
         with torch.no_grad():
             alpha = self.log_alpha.exp()
             next_actions, next_log_prob = self.actor.sample(next_obs)
-            next_probs = self.critics_target(next_obs, next_actions).softmax(-1)  # [2, B, N]
-            support = self.critics_target.support
+            # (under --amp only the layers run in bf16: distributions are float32)
+            next_probs = self.critics_target(next_obs, next_actions).float().softmax(-1)
+            support = self.critics_target.support  # next_probs: [2, B, N]
             chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
             # the entropy bonus shifts every atom, so it is folded in before projecting
-            target = project(chosen, rewards - discounts * alpha * next_log_prob,
+            target = project(chosen, rewards - discounts * alpha * next_log_prob.float(),
                              discounts, support)
-        log_probs = self.critics(obs, actions).log_softmax(-1)
-        loss = -(target * log_probs).sum(-1).mean(-1).sum()
+        log_probs = self.critics(obs, actions).float().log_softmax(-1)
+        return -(target * log_probs).sum(-1).mean(-1).sum()
+
+    def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+        with self.autocast():
+            loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
         D.allreduce_grads_(self.online_params, self.info)
         self.critic_opt.step()
         return loss.detach()
 
-    def update_actor(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
-        self.critics.requires_grad_(False)
+    def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         actions, log_prob = self.actor.sample(obs)
         q = self.critics.q_values(obs, actions).min(0).values
-        alpha = self.log_alpha.exp()
-        actor_loss = (alpha.detach() * log_prob - q).mean()
+        return (self.log_alpha.detach().exp() * log_prob.float() - q.float()).mean(), \
+            log_prob.detach()
+
+    def update_actor(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.critics.requires_grad_(False)
+        with self.autocast():
+            actor_loss, log_prob = self.actor_loss_fn(obs)
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         D.allreduce_grads_(self.actor.parameters(), self.info)
         self.actor_opt.step()
         self.critics.requires_grad_(True)
-        alpha_loss = -(alpha * (log_prob.detach() + self.target_entropy)).mean()
+        alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
         self.alpha_opt.zero_grad(set_to_none=True)
         alpha_loss.backward()
         D.allreduce_grads_([self.log_alpha], self.info)
@@ -915,6 +948,40 @@ def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
 
 
+class Sampler:
+    """Draws the learner's batches from the replay buffer and moves them to the device.
+
+    With --prefetch on CUDA the rows are gathered straight into pinned host memory and
+    copied without blocking; two sets of buffers alternate, so gathering the next batch
+    never overwrites one whose copy may still be in flight.
+    """
+
+    def __init__(self, args: Args, rb: ReplayBuffer, rng: np.random.Generator, device):
+        self.args, self.rb, self.rng, self.device = args, rb, rng, device
+        self.pinned = []
+        if args.prefetch and device.type == "cuda":
+            n, obs_dim, act_dim = (args.batch_size * args.updates_per_iter,
+                                   rb.obs.shape[-1], rb.actions.shape[-1])
+            shapes = {"obs": (n, obs_dim), "next_obs": (n, obs_dim), "actions": (n, act_dim),
+                      "rewards": (n,), "discounts": (n,)}
+            self.pinned = [{k: torch.empty(v, pin_memory=True) for k, v in shapes.items()}
+                           for _ in range(2)]
+        self.turn = 0
+
+    def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
+        args = self.args
+        out = None
+        if self.pinned:
+            buffers = self.pinned[self.turn]
+            self.turn ^= 1
+            out = {k: v.numpy() for k, v in buffers.items()}
+        batch = self.rb.sample(self.rng, args.batch_size * args.updates_per_iter, args.n_step,
+                               args.gamma, written, window, floor, out)
+        if self.pinned:
+            return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
+        return to_device(batch, self.device)
+
+
 def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1009,6 +1076,7 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
             D.share_with_node(info, "specs", {"rb": rb.spec, "ws": ws.spec, "ctrl": ctrl.spec})
 
         episodes_seen = [0] * args.num_collectors
+        sample, prefetched = Sampler(args, rb, rng, device), None
         next_save = next_multiple(loop["global_step"], args.save_interval)
         next_eval = next_multiple(loop["global_step"], args.eval_interval)
         metrics = None
@@ -1056,9 +1124,22 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
                 loop["normalized_upto"] = written
             if (written * E >= args.learning_starts
                     and (written - loop["floor"]) * E >= args.learning_starts):
-                batch = rb.sample(rng, args.batch_size * args.updates_per_iter, args.n_step,
-                                  args.gamma, written, window, loop["floor"])
-                metrics = learner.train_iteration(to_device(batch, device))
+                batch = prefetched or sample(written, window, loop["floor"])
+                metrics = learner.train_iteration(batch)  # on a GPU this returns at once
+                prefetched = None
+                if args.prefetch and args.sync_mode != "lockstep" and not done:
+                    # gather the next batch while the GPU trains (same rows and random
+                    # draws as gathering it at the next iteration; lockstep has no next
+                    # chunk before the weights are published)
+                    # async: whatever is complete on every node
+                    nxt, nxt_window = D.allreduce_min(ctrl.slowest(), info), window
+                    if args.sync_mode == "pipelined":
+                        nxt, nxt_window = chunks + 1, S if chunks + 1 < num_chunks else 0
+                        with contextlib.suppress(CollectorError):  # (handled at the top)
+                            timers["wait"] += wait_until(lambda: ctrl.slowest() >= nxt, procs,
+                                                         ctrl)
+                    if ctrl.slowest() >= nxt:
+                        prefetched = sample(nxt * S, nxt_window, loop["floor"])
                 check_finite(metrics, global_step, learner.num_updates)
                 t_first_update, t_last_update = t_first_update or t0, time.perf_counter()
             t1 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Throughput of fast_sac.py's collector and learner next to their limits.
+"""Throughput of fast_sac.py's collectors and learner next to their limits.
 
     python benchmarks/throughput.py --env Humanoid-v5 [--quick]
 
@@ -7,6 +7,13 @@ collector_efficiency: env steps/s of the collector while it steps inside a real 
 learner_efficiency: updates/s of the learner inside the run (wall time from its first to its
   last update), over the same iteration (sample, copy, updates, publish) run alone on a
   filled buffer with the same thread count.
+  Both are measured for two thread settings on this machine: `default` (fast_sac.py's
+  defaults) and `pinned` (one collector, learner threads = cores - 1: nobody shares a core).
+overlap: training-phase throughput of a pipelined run over a lockstep run (pinned threads),
+  with --updates-per-iter chosen so that learning an iteration takes about as long as
+  collecting one (calibrated from the pinned runs). The limit is 2.
+collector_scaling[K]: env steps/s of K real collector processes (4 envs each, acting with the
+  policy, async mode, no learner) over K times one collector's, for K = 1 .. cores.
 Each figure is the median of --repeats runs. Prints a table and writes JSON.
 """
 
@@ -27,6 +34,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fast_sac  # noqa: E402
+from common.control import FAILED, FINISHED, Control  # noqa: E402
 from common.replay import ReplayBuffer  # noqa: E402
 from common.weights import WeightSync  # noqa: E402
 
@@ -36,9 +44,9 @@ class Bench:
     env: str = "Humanoid-v5"
     """gymnasium id"""
     quick: bool = False
-    """short runs (about two minutes on 2 cores)"""
-    repeats: int = 3
-    """repeats per figure; the median is reported"""
+    """short runs, one repeat (about two minutes on 2 cores)"""
+    repeats: int | None = None
+    """repeats per figure; the median is reported (default 3, 1 with --quick)"""
     out: str = "benchmarks/throughput.json"
     """where the JSON goes"""
 
@@ -58,20 +66,20 @@ def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float) -> float:
     return rate
 
 
-def full_run(env_id: str, total: int, learning_starts: int) -> dict:
+def full_run(env_id: str, total: int, learning_starts: int, *flags: str) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, os.path.join(ROOT, "fast_sac.py"), "--env", env_id, "--device",
                "cpu", "--total-timesteps", str(total), "--learning-starts",
                str(learning_starts), "--eval-interval", "0", "--eval-episodes", "1",
-               "--run-dir", run_dir, "--log-interval", "1000"]
+               "--run-dir", run_dir, "--log-interval", "1000", *flags]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(run_dir, "summary.json")) as f:
             return json.load(f)
 
 
-def isolated_updates_per_s(env_id: str, iterations: int) -> float:
+def isolated_updates_per_s(env_id: str, iterations: int, threads: int) -> float:
     args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
-    torch.set_num_threads(fast_sac.default_learner_threads())  # as the learner does
+    torch.set_num_threads(threads)  # as the learner does
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, torch.device("cpu"))
     cap = args.buffer_size // args.num_envs
@@ -98,30 +106,98 @@ def isolated_updates_per_s(env_id: str, iterations: int) -> float:
         rb.close(), rb.unlink(), ws.close(), ws.unlink()
 
 
+def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collector: int,
+                           run_dir: str) -> float:
+    """K real collector processes in async mode with the policy acting and no learner;
+    env steps/s from the moment every one has finished its first chunk to the end."""
+    args = fast_sac.resolve_args(fast_sac.Args(
+        env=env_id, device="cpu", num_envs=k * envs_each, num_collectors=k, sync_mode="async",
+        learning_starts=0, total_timesteps=total_per_collector * k, buffer_size=200_000 * k))
+    obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
+    rb = ReplayBuffer.create(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
+    ctrl = Control.create(k)
+    ws = WeightSync.create(fast_sac.make_actor(args, obs_dim, act_dim, low, high))
+    procs = []
+    try:
+        ws.publish(fast_sac.make_actor(args, obs_dim, act_dim, low, high), 0)
+        procs = [fast_sac.start_collector(args, i, rb, ws, ctrl, run_dir, None) for i in range(k)]
+        fast_sac.wait_until(lambda: ctrl.slowest() >= 1, procs, ctrl)
+        t0, first = time.perf_counter(), int(ctrl.all_counters[:, 0].sum())
+        fast_sac.wait_until(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)),
+                            procs, ctrl)
+        chunks = int(ctrl.all_counters[:, 0].sum()) - first
+        assert not any(ctrl.row(i).state == FAILED for i in range(k))
+        return chunks * envs_each * args.steps_per_iter / (time.perf_counter() - t0)
+    finally:
+        fast_sac.stop_collectors(procs, ctrl)
+        for mem in (rb, ws, ctrl):
+            mem.close()
+            mem.unlink()
+
+
 def main(b: Bench) -> None:
     env_id = fast_sac.resolve_env_id(b.env)
     args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
-    seconds, total, iters = (5, 12_000, 20) if b.quick else (15, 40_000, 60)
-    rows = {"bare_env_steps_per_s": [], "collector_steps_per_s": [],
-            "run_updates_per_s": [], "isolated_updates_per_s": []}
-    for _ in range(b.repeats):
+    cores = fast_sac.available_cores()
+    repeats = b.repeats or (1 if b.quick else 3)
+    seconds, total, iters = (4, 8_000, 10) if b.quick else (15, 40_000, 60)
+    starts = total // 4
+    threads = {"default": fast_sac.default_learner_threads(1), "pinned": max(1, cores - 1)}
+    rows: dict[str, list[float]] = {"bare_env_steps_per_s": []}
+    for name in threads:
+        for key in ("collector_steps_per_s", "run_updates_per_s", "isolated_updates_per_s",
+                    "collect_s_per_iter"):
+            rows[f"{name}/{key}"] = []
+    for key in ("lockstep_updates_per_s", "pipelined_updates_per_s"):
+        rows[f"overlap/{key}"] = []
+    ks = list(range(1, cores + 1))
+    for k in ks:
+        rows[f"collectors_{k}/steps_per_s"] = []
+
+    for _ in range(repeats):
         rows["bare_env_steps_per_s"].append(bare_env_steps_per_s(env_id, args.num_envs, seconds))
-        perf = full_run(env_id, total, learning_starts=total // 4)["perf"]
-        rows["collector_steps_per_s"].append(perf["collector_steps_per_s"])
-        rows["run_updates_per_s"].append(perf["updates_per_s_since_first_update"])
-        rows["isolated_updates_per_s"].append(isolated_updates_per_s(env_id, iters))
+        for name, n in threads.items():
+            s = full_run(env_id, total, starts, "--learner-threads", str(n))
+            perf = s["perf"]
+            rows[f"{name}/collector_steps_per_s"].append(perf["collector_steps_per_s"])
+            rows[f"{name}/run_updates_per_s"].append(perf["updates_per_s_since_first_update"])
+            rows[f"{name}/collect_s_per_iter"].append(perf["collect_s"] / s["iterations"])
+            rows[f"{name}/isolated_updates_per_s"].append(isolated_updates_per_s(env_id, iters, n))
+        # overlap: as many updates per iteration as take the time of collecting one chunk
+        collect = float(np.median(rows["pinned/collect_s_per_iter"]))
+        update = 1.0 / float(np.median(rows["pinned/isolated_updates_per_s"]))
+        balanced = max(1, round(collect / update))
+        for mode in ("lockstep", "pipelined"):
+            perf = full_run(env_id, total, starts, "--learner-threads", str(threads["pinned"]),
+                            "--updates-per-iter", str(balanced), "--sync-mode", mode)["perf"]
+            rows[f"overlap/{mode}_updates_per_s"].append(perf["updates_per_s_since_first_update"])
+        with tempfile.TemporaryDirectory() as run_dir:
+            for k in ks:
+                rows[f"collectors_{k}/steps_per_s"].append(collectors_steps_per_s(
+                    env_id, k, 4, 4 * args.steps_per_iter * (40 if b.quick else 150), run_dir))
     med = {k: float(np.median(v)) for k, v in rows.items()}
     result = {
-        "env": env_id, "num_envs": args.num_envs, "repeats": b.repeats, "quick": b.quick,
+        "env": env_id, "num_envs": args.num_envs, "repeats": repeats, "quick": b.quick,
+        "cores": cores, "learner_threads": threads, "overlap_updates_per_iter": balanced,
         "medians": med, "runs": rows,
-        "collector_efficiency": med["collector_steps_per_s"] / med["bare_env_steps_per_s"],
-        "learner_efficiency": med["run_updates_per_s"] / med["isolated_updates_per_s"],
+        **{f"collector_efficiency/{name}": med[f"{name}/collector_steps_per_s"]
+           / med["bare_env_steps_per_s"] for name in threads},
+        **{f"learner_efficiency/{name}": med[f"{name}/run_updates_per_s"]
+           / med[f"{name}/isolated_updates_per_s"] for name in threads},
+        "overlap": med["overlap/pipelined_updates_per_s"] / med["overlap/lockstep_updates_per_s"],
+        "collector_scaling": {k: med[f"collectors_{k}/steps_per_s"]
+                              / (k * med["collectors_1/steps_per_s"]) for k in ks},
     }
-    print(f"{'figure':32s} {'median':>10s}   runs")
+    print(f"{env_id}, {cores} cores, learner threads {threads}, {repeats} repeat(s); "
+          f"overlap at --updates-per-iter {balanced}")
+    print(f"{'figure':40s} {'median':>10s}   runs")
     for k, v in rows.items():
-        print(f"{k:32s} {med[k]:10.1f}   {', '.join(f'{x:.1f}' for x in v)}")
-    print(f"{'collector_efficiency':32s} {result['collector_efficiency']:10.3f}")
-    print(f"{'learner_efficiency':32s} {result['learner_efficiency']:10.3f}")
+        print(f"{k:40s} {med[k]:10.3f}   {', '.join(f'{x:.3f}' for x in v)}")
+    for key, value in result.items():
+        if "efficiency" in key or key == "overlap":
+            print(f"{key:40s} {value:10.3f}")
+    for k, v in result["collector_scaling"].items():
+        print(f"{f'collector_scaling (K={k})':40s} {v:10.3f}")
     with open(b.out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -88,12 +88,14 @@ class ReplayBuffer:
         return lo, written - n_step + 1
 
     def sample(self, rng: np.random.Generator, batch_size: int, n_step: int, gamma: float,
-               written: int, window: int = 0, floor: int = 0) -> dict[str, np.ndarray]:
+               written: int, window: int = 0, floor: int = 0,
+               out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Sample `batch_size` n-step transitions from env-local steps below `written`.
 
         Returns obs, actions, rewards (discounted n-step sum), next_obs (the observation
         after the last step used) and discounts (gamma**k, or 0 when that step terminated).
-        Sums stop at the first episode end, so they never cross a reset.
+        Sums stop at the first episode end, so they never cross a reset. With `out` (arrays
+        of the right shapes, e.g. views of pinned memory) the rows are gathered into it.
         """
         lo, hi = self.valid_range(written, window, n_step, floor)
         if hi <= lo:
@@ -110,13 +112,25 @@ class ReplayBuffer:
         steps = alive.sum(1).astype(np.int64)  # transitions used, 1..n
         last = rows[np.arange(batch_size), steps - 1]
         bootstrap = (gamma**steps) * (1.0 - self.terminated[env, last])
-        return {
-            "obs": self.obs[env, rows[:, 0]],
-            "actions": self.actions[env, rows[:, 0]],
+        first, final = env * self.capacity + rows[:, 0], env * self.capacity + last
+        out = out if out is not None else {}
+        batch = {
+            "obs": self._take(self.obs, first, out.get("obs")),
+            "actions": self._take(self.actions, first, out.get("actions")),
             "rewards": reward.astype(np.float32),
-            "next_obs": self.next_obs[env, last],
+            "next_obs": self._take(self.next_obs, final, out.get("next_obs")),
             "discounts": bootstrap.astype(np.float32),
         }
+        for key in ("rewards", "discounts"):
+            if key in out:
+                out[key][:] = batch[key]
+                batch[key] = out[key]
+        return batch
+
+    def _take(self, field: np.ndarray, flat_rows: np.ndarray, out: np.ndarray | None):
+        """Rows of `field` at flat (env * capacity + row) indices, gathered into `out`."""
+        flat = field.reshape(self.num_envs * self.capacity, -1)
+        return np.take(flat, flat_rows, axis=0, out=out)
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Observations of env-local steps [start, stop) of every env, flattened."""

@@ -211,3 +211,43 @@ def test_control_rows_are_per_collector(no_shm_leak):
 def test_too_many_collectors_is_rejected():
     with pytest.raises(fs.ArgsError, match="--num-collectors must lie in"):
         fs.resolve_args(fs.Args(env="Pendulum", device="cpu", num_envs=4, num_collectors=5))
+
+
+def _three_iterations(**flags):
+    torch.manual_seed(0)
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", critic_hidden=32,
+                                   actor_hidden=32, num_atoms=11, batch_size=16,
+                                   updates_per_iter=4, **flags))
+    learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
+                         torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = {"obs": torch.randn(64, 3, generator=g),
+                 "next_obs": torch.randn(64, 3, generator=g),
+                 "actions": torch.rand(64, 1, generator=g) * 4 - 2,
+                 "rewards": torch.randn(64, generator=g), "discounts": torch.full((64,), 0.9)}
+        metrics = learner.train_iteration(batch)
+    return {k: float(v) for k, v in metrics.items()}, learner
+
+
+def test_compiled_and_bf16_updates_agree_with_eager(monkeypatch):
+    """--compile computes the same updates (inductor's random numbers replaced by eager's
+    for the comparison); --amp stays close to float32."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)
+    eager, learner = _three_iterations(compile=False, amp=False)
+    compiled, compiled_learner = _three_iterations(compile=True, amp=False)
+    for k in eager:
+        assert compiled[k] == pytest.approx(eager[k], rel=1e-4, abs=1e-5), k
+    for a, b in zip(learner.critics.parameters(), compiled_learner.critics.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+    bf16, _ = _three_iterations(compile=False, amp=True)
+    assert bf16["qf_loss"] == pytest.approx(eager["qf_loss"], rel=0.02)
+
+
+def test_gpu_only_flags_are_refused_on_cpu():
+    with pytest.raises(fs.ArgsError, match="--cudagraphs needs a CUDA learner"):
+        fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True))
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu"))
+    assert not (args.compile or args.amp or args.prefetch)  # the CPU path is untouched

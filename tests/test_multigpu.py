@@ -27,7 +27,8 @@ def summary(run_dir):
 def test_two_ranks_train_with_identical_parameters(mode, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL,
-                          "--total-timesteps", "1000", "--sync-mode", mode, "--run-dir", run_dir],
+                          "--total-timesteps", "1000", "--sync-mode", mode, "--run-dir", run_dir,
+                          "--prefetch", "True"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-4000:]
     s = summary(run_dir)
@@ -155,11 +156,12 @@ def test_killed_rank_stops_every_process(tmp_path):
 
 
 def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm_leak):
+    """Two ranks sharing two collectors (one env each); a resume continues exactly."""
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     common = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT]
     res = subprocess.run([*common, *SMALL, "--total-timesteps", "1600", "--sync-mode",
                           "lockstep", "--save-interval", "800", "--save-replay",
-                          "--run-dir", full],
+                          "--num-collectors", "2", "--run-dir", full],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-4000:]
     res = subprocess.run([*common, "--resume", os.path.join(full, "checkpoint_800.pt"),

@@ -46,11 +46,13 @@ FAULT_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
 def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_leak):
+    """Also with --prefetch in the second run: gathering the next batch early changes when
+    it is gathered, never what."""
     params = []
-    for name in ("a", "b"):
+    for name, extra in (("a", []), ("b", ["--prefetch", "True"])):
         run_dir = str(tmp_path / name)
         res = run_script(script, *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
-                         "--run-dir", run_dir)
+                         "--run-dir", run_dir, *extra)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "final eval" in res.stdout
         params.append(check_run_dir(run_dir, mode, script))
