@@ -58,6 +58,9 @@ class Args:
     """environment steps to collect, summed over all envs"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where the learner runs; auto picks cuda when available. The collector is always CPU"""
+    env_backend: Literal["gymnasium", "envpool"] = "gymnasium"
+    """simulator of the collectors: gymnasium's MuJoCo envs, or envpool's C++ versions of the
+    same tasks (pip install envpool; evaluation always uses gymnasium)"""
     sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
     """lockstep: collect and learn in turn; pipelined: collect chunk i+1 while learning on
     chunk i (weights one chunk stale, deterministic); async: both free-running"""
@@ -274,6 +277,8 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"need 0 <= --std-min <= --std-max, got {args.std_min}, {args.std_max}")
     if args.v_min >= args.v_max:
         raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
+    if args.env_backend == "envpool":
+        check_envpool(args)
     if args.learning_starts >= args.total_timesteps:
         raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
                         f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
@@ -309,14 +314,66 @@ def resolve_args(args: Args) -> Args:
 # environments
 
 
-def make_env(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
+def make_env(env_id: str, num_envs: int, backend: str = "gymnasium", seed: int = 0):
     """A synchronous vector env that resets finished envs within the same step.
 
     SAME_STEP autoreset returns the reset observation at once and puts the true last
-    observation in info["final_obs"], so every step is a storable transition.
+    observation in info["final_obs"], so every step is a storable transition. Env i is
+    seeded with seed + i at its first reset.
     """
+    if backend == "envpool":
+        return EnvPoolSameStep(env_id, num_envs, seed)
     return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+
+
+class EnvPoolSameStep:
+    """envpool's MuJoCo envs (C++, one thread) behind the interface the collector uses.
+
+    envpool resets a finished env on the step after it ends and ignores that step's action;
+    here finished envs are reset within the step instead, as gymnasium's SAME_STEP mode does,
+    and their true last observation goes to info["final_obs"]. envpool seeds its envs when
+    they are made, so reset(seed=...) has nothing left to do.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, seed: int):
+        import envpool
+
+        self.env = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
+                                num_threads=1)
+        self.num_envs = num_envs
+        self.single_observation_space = self.env.observation_space  # (envpool's are per env)
+        self.single_action_space = self.env.action_space
+
+    def reset(self, seed=None):
+        obs, info = self.env.reset()
+        return obs.astype(np.float32), info
+
+    def step(self, action: np.ndarray):
+        obs, reward, terminated, truncated, info = self.env.step(action.astype(np.float64))
+        obs, done, info = obs.astype(np.float32), terminated | truncated, {}
+        if done.any():
+            info = {"final_obs": obs.copy(), "_final_obs": done}
+            fresh, fresh_info = self.env.reset(np.flatnonzero(done))
+            obs[fresh_info["env_id"]] = fresh
+        return obs, reward.astype(np.float64), terminated, truncated, info
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def check_envpool(args: Args) -> None:
+    """--env-backend envpool: installed, offers the task, and no exact resume is promised."""
+    try:
+        import envpool
+    except ImportError:
+        raise ArgsError("--env-backend envpool needs the envpool package: pip install envpool "
+                        "(or use the default --env-backend gymnasium)") from None
+    if args.env not in envpool.list_all_envs():
+        raise ArgsError(f"envpool has no {args.env}; use --env-backend gymnasium")
+    if args.save_replay:
+        raise ArgsError("--save-replay promises an exact resume, but envpool's envs cannot be "
+                        "saved; use --env-backend gymnasium for it")
 
 
 def capture_envs(envs: gym.vector.SyncVectorEnv) -> bytes:
@@ -598,8 +655,8 @@ def _collect(args, index, rb, ws, ctrl, parent, run_dir, start) -> None:
     rng = np.random.default_rng(args.seed + 1 + 1000 * index)
     gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * index)
     if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
-        envs = make_env(args.env, n)
         seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
+        envs = make_env(args.env, n, args.env_backend, seed)
         obs, _ = envs.reset(seed=[seed + i for i in range(n)])
         ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
         noise_std = draw_noise_std(rng, args, n)
@@ -1032,6 +1089,8 @@ def train(args: Args, resume: dict | None = None) -> int:
             # (async collectors drift apart, so with several there is no common snapshot)
             snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(
                 args.sync_mode, 0 if args.num_collectors == 1 else num_chunks)
+            if args.env_backend == "envpool":  # its envs cannot be saved
+                snapshot_chunk = num_chunks
             save_now = global_step >= next_save and not done  # (model_final.pt at the end)
             if save_now and snapshot_chunk < num_chunks:
                 ctrl.ask_snapshot(snapshot_chunk)
