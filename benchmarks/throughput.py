@@ -7,11 +7,16 @@ collector_efficiency: env steps/s of the collector while it steps inside a real 
 learner_efficiency: updates/s of the learner inside the run (wall time from its first to its
   last update), over the same iteration (sample, copy, updates, publish) run alone on a
   filled buffer with the same thread count.
-  Both are measured for two thread settings on this machine: `default` (fast_sac.py's
-  defaults) and `pinned` (one collector, learner threads = cores - 1: nobody shares a core).
-overlap: training-phase throughput of a pipelined run over a lockstep run (pinned threads),
+  Both are measured for two thread settings on this machine: `default` (fast_sac.py's: one
+  collector, learner threads = cores - 1, nobody shares a core) and `shared` (the learner
+  takes every core, so it shares the collector's).
+  collector_vs_policy_env: the collector's in-run rate over the bare env stepping with the
+  (untrained) actor's actions, acting included: what the plumbing itself costs.
+overlap: training-phase throughput of a pipelined run over a lockstep run (default threads),
   with --updates-per-iter chosen so that learning an iteration takes about as long as
-  collecting one (calibrated from the pinned runs). The limit is 2.
+  collecting one (calibrated from the default runs). The limit is 2.
+envpool_over_gymnasium: bare env steps/s of --env-backend envpool (one thread) over gymnasium's,
+  when envpool is installed.
 collector_scaling[K]: env steps/s of K real collector processes (4 envs each, acting with the
   policy, async mode, no learner) over K times one collector's, for K = 1 .. cores.
 Each figure is the median of --repeats runs. Prints a table and writes JSON.
@@ -51,15 +56,23 @@ class Bench:
     """where the JSON goes"""
 
 
-def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float) -> float:
-    envs = fast_sac.make_env(env_id, num_envs)
-    envs.reset(seed=0)
+def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float,
+                         backend: str = "gymnasium", actor=None) -> float:
+    """One process stepping a vector env with random actions (or `actor`'s, acting
+    included)."""
+    torch.set_num_threads(1)  # as a collector does
+    envs = fast_sac.make_env(env_id, num_envs, backend)
+    obs, _ = envs.reset(seed=0)
     rng = np.random.default_rng(0)
     low, high = envs.single_action_space.low, envs.single_action_space.high
     shape = (num_envs, *low.shape)
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        envs.step(rng.uniform(low, high, size=shape).astype(np.float32))
+        if actor is None:
+            action = rng.uniform(low, high, size=shape).astype(np.float32)
+        else:
+            action = actor.act(torch.from_numpy(obs).float()).numpy()
+        obs, *_ = envs.step(action)
         steps += num_envs
     rate = steps / (time.perf_counter() - t0)
     envs.close()
@@ -142,8 +155,16 @@ def main(b: Bench) -> None:
     repeats = b.repeats or (1 if b.quick else 3)
     seconds, total, iters = (4, 8_000, 10) if b.quick else (15, 40_000, 60)
     starts = total // 4
-    threads = {"default": fast_sac.default_learner_threads(1), "pinned": max(1, cores - 1)}
-    rows: dict[str, list[float]] = {"bare_env_steps_per_s": []}
+    threads = {"default": fast_sac.default_learner_threads(1), "shared": cores}
+    rows: dict[str, list[float]] = {"bare_env_steps_per_s": [], "bare_policy_env_steps_per_s": []}
+    obs_dim, act_dim, low, high = fast_sac.env_dims(env_id)
+    actor = fast_sac.make_actor(args, obs_dim, act_dim, low, high)
+    try:
+        import envpool  # noqa: F401
+
+        rows["bare_envpool_steps_per_s"] = []
+    except ImportError:
+        pass
     for name in threads:
         for key in ("collector_steps_per_s", "run_updates_per_s", "isolated_updates_per_s",
                     "collect_s_per_iter"):
@@ -156,6 +177,11 @@ def main(b: Bench) -> None:
 
     for _ in range(repeats):
         rows["bare_env_steps_per_s"].append(bare_env_steps_per_s(env_id, args.num_envs, seconds))
+        rows["bare_policy_env_steps_per_s"].append(
+            bare_env_steps_per_s(env_id, args.num_envs, seconds, actor=actor))
+        if "bare_envpool_steps_per_s" in rows:
+            rows["bare_envpool_steps_per_s"].append(
+                bare_env_steps_per_s(env_id, args.num_envs, seconds, "envpool"))
         for name, n in threads.items():
             s = full_run(env_id, total, starts, "--learner-threads", str(n))
             perf = s["perf"]
@@ -164,11 +190,11 @@ def main(b: Bench) -> None:
             rows[f"{name}/collect_s_per_iter"].append(perf["collect_s"] / s["iterations"])
             rows[f"{name}/isolated_updates_per_s"].append(isolated_updates_per_s(env_id, iters, n))
         # overlap: as many updates per iteration as take the time of collecting one chunk
-        collect = float(np.median(rows["pinned/collect_s_per_iter"]))
-        update = 1.0 / float(np.median(rows["pinned/isolated_updates_per_s"]))
+        collect = float(np.median(rows["default/collect_s_per_iter"]))
+        update = 1.0 / float(np.median(rows["default/isolated_updates_per_s"]))
         balanced = max(1, round(collect / update))
         for mode in ("lockstep", "pipelined"):
-            perf = full_run(env_id, total, starts, "--learner-threads", str(threads["pinned"]),
+            perf = full_run(env_id, total, starts, "--learner-threads", str(threads["default"]),
                             "--updates-per-iter", str(balanced), "--sync-mode", mode)["perf"]
             rows[f"overlap/{mode}_updates_per_s"].append(perf["updates_per_s_since_first_update"])
         with tempfile.TemporaryDirectory() as run_dir:
@@ -182,9 +208,13 @@ def main(b: Bench) -> None:
         "medians": med, "runs": rows,
         **{f"collector_efficiency/{name}": med[f"{name}/collector_steps_per_s"]
            / med["bare_env_steps_per_s"] for name in threads},
+        **{f"collector_vs_policy_env/{name}": med[f"{name}/collector_steps_per_s"]
+           / med["bare_policy_env_steps_per_s"] for name in threads},
         **{f"learner_efficiency/{name}": med[f"{name}/run_updates_per_s"]
            / med[f"{name}/isolated_updates_per_s"] for name in threads},
         "overlap": med["overlap/pipelined_updates_per_s"] / med["overlap/lockstep_updates_per_s"],
+        "envpool_over_gymnasium": (med["bare_envpool_steps_per_s"] / med["bare_env_steps_per_s"]
+                                   if "bare_envpool_steps_per_s" in med else None),
         "collector_scaling": {k: med[f"collectors_{k}/steps_per_s"]
                               / (k * med["collectors_1/steps_per_s"]) for k in ks},
     }
@@ -194,7 +224,8 @@ def main(b: Bench) -> None:
     for k, v in rows.items():
         print(f"{k:40s} {med[k]:10.3f}   {', '.join(f'{x:.3f}' for x in v)}")
     for key, value in result.items():
-        if "efficiency" in key or key == "overlap":
+        if key.startswith(("collector_", "learner_", "overlap", "envpool_")) and value and \
+                not isinstance(value, dict):
             print(f"{key:40s} {value:10.3f}")
     for k, v in result["collector_scaling"].items():
         print(f"{f'collector_scaling (K={k})':40s} {v:10.3f}")
