@@ -486,7 +486,7 @@ class Actor(nn.Module):
                     - torch.log(self.scale * (1 - y.square()) + 1e-6)).sum(-1)
         return y * self.scale + self.bias, log_prob
 
-    @torch.no_grad()
+    @torch.inference_mode()  # (no autograd bookkeeping at all: measurably cheaper per step)
     def act(self, obs: torch.Tensor, deterministic: bool = False, generator=None):
         """Action for raw observations (normalized here)."""
         x = self.normalizer(obs)

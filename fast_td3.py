@@ -484,7 +484,7 @@ class Actor(nn.Module):
         low, high = self.bias - self.scale, self.bias + self.scale
         return torch.maximum(torch.minimum(action + noise * self.scale, high), low)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # (no autograd bookkeeping at all: measurably cheaper per step)
     def act(self, obs: torch.Tensor, deterministic: bool = False, generator=None, std=None):
         """Action for raw observations (normalized here); `std` [num_envs, 1] explores."""
         x = self.normalizer(obs)

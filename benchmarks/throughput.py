@@ -10,8 +10,14 @@ learner_efficiency: updates/s of the learner inside the run (wall time from its 
   Both are measured for two thread settings on this machine: `default` (fast_sac.py's: one
   collector, learner threads = cores - 1, nobody shares a core) and `shared` (the learner
   takes every core, so it shares the collector's).
-  collector_vs_policy_env: the collector's in-run rate over the bare env stepping with the
-  (untrained) actor's actions, acting included: what the plumbing itself costs.
+  The gap splits into three factors, each measured with the same 8 envs in one process:
+  policy_over_random: the bare env stepping with the (untrained) actor's actions, acting
+    included, over random actions: what the policy's forward pass and the physics under
+    its actions cost;
+  plumbing: one collector process alone (no learner; writes, weight reads, counters) over
+    that bare policy-stepping env;
+  in_run_over_alone: the collector inside the training run over the same collector alone:
+    what sharing the machine with the learner costs.
 overlap: training-phase throughput of a pipelined run over a lockstep run (default threads),
   with --updates-per-iter chosen so that learning an iteration takes about as long as
   collecting one (calibrated from the default runs). The limit is 2.
@@ -54,6 +60,10 @@ class Bench:
     """repeats per figure; the median is reported (default 3, 1 with --quick)"""
     out: str = "benchmarks/throughput.json"
     """where the JSON goes"""
+    scaling_only: bool = False
+    """only collector_scaling (for a many-core machine)"""
+    max_collectors: int | None = None
+    """largest K for collector_scaling (default: the cores)"""
 
 
 def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float,
@@ -171,14 +181,27 @@ def main(b: Bench) -> None:
             rows[f"{name}/{key}"] = []
     for key in ("lockstep_updates_per_s", "pipelined_updates_per_s"):
         rows[f"overlap/{key}"] = []
-    ks = list(range(1, cores + 1))
+    ks = list(range(1, (b.max_collectors or cores) + 1))
+    rows["collector_alone_steps_per_s"] = []
     for k in ks:
         rows[f"collectors_{k}/steps_per_s"] = []
 
+    if b.scaling_only:
+        rows = {k: v for k, v in rows.items() if k.startswith("collectors_")}
     for _ in range(repeats):
+        if b.scaling_only:
+            with tempfile.TemporaryDirectory() as run_dir:
+                for k in ks:
+                    rows[f"collectors_{k}/steps_per_s"].append(collectors_steps_per_s(
+                        env_id, k, 4, 4 * args.steps_per_iter * 150, run_dir))
+            continue
         rows["bare_env_steps_per_s"].append(bare_env_steps_per_s(env_id, args.num_envs, seconds))
         rows["bare_policy_env_steps_per_s"].append(
             bare_env_steps_per_s(env_id, args.num_envs, seconds, actor=actor))
+        with tempfile.TemporaryDirectory() as run_dir:
+            rows["collector_alone_steps_per_s"].append(collectors_steps_per_s(
+                env_id, 1, args.num_envs, args.num_envs * args.steps_per_iter
+                * (40 if b.quick else 150), run_dir))
         if "bare_envpool_steps_per_s" in rows:
             rows["bare_envpool_steps_per_s"].append(
                 bare_env_steps_per_s(env_id, args.num_envs, seconds, "envpool"))
@@ -202,21 +225,34 @@ def main(b: Bench) -> None:
                 rows[f"collectors_{k}/steps_per_s"].append(collectors_steps_per_s(
                     env_id, k, 4, 4 * args.steps_per_iter * (40 if b.quick else 150), run_dir))
     med = {k: float(np.median(v)) for k, v in rows.items()}
+    scaling = {k: med[f"collectors_{k}/steps_per_s"] / (k * med["collectors_1/steps_per_s"])
+               for k in ks}
+    if b.scaling_only:
+        for k, v in scaling.items():
+            print(f"K={k:2d}: {med[f'collectors_{k}/steps_per_s']:9.0f} env steps/s, "
+                  f"collector_scaling {v:.3f}")
+        with open(b.out, "w") as f:
+            json.dump({"env": env_id, "cores": cores, "medians": med,
+                       "collector_scaling": scaling}, f, indent=2)
+        return
     result = {
         "env": env_id, "num_envs": args.num_envs, "repeats": repeats, "quick": b.quick,
         "cores": cores, "learner_threads": threads, "overlap_updates_per_iter": balanced,
         "medians": med, "runs": rows,
         **{f"collector_efficiency/{name}": med[f"{name}/collector_steps_per_s"]
            / med["bare_env_steps_per_s"] for name in threads},
-        **{f"collector_vs_policy_env/{name}": med[f"{name}/collector_steps_per_s"]
-           / med["bare_policy_env_steps_per_s"] for name in threads},
+        "collector_gap/policy_over_random": med["bare_policy_env_steps_per_s"]
+        / med["bare_env_steps_per_s"],
+        "collector_gap/plumbing": med["collector_alone_steps_per_s"]
+        / med["bare_policy_env_steps_per_s"],
+        **{f"collector_gap/in_run_over_alone/{name}": med[f"{name}/collector_steps_per_s"]
+           / med["collector_alone_steps_per_s"] for name in threads},
         **{f"learner_efficiency/{name}": med[f"{name}/run_updates_per_s"]
            / med[f"{name}/isolated_updates_per_s"] for name in threads},
         "overlap": med["overlap/pipelined_updates_per_s"] / med["overlap/lockstep_updates_per_s"],
         "envpool_over_gymnasium": (med["bare_envpool_steps_per_s"] / med["bare_env_steps_per_s"]
                                    if "bare_envpool_steps_per_s" in med else None),
-        "collector_scaling": {k: med[f"collectors_{k}/steps_per_s"]
-                              / (k * med["collectors_1/steps_per_s"]) for k in ks},
+        "collector_scaling": scaling,
     }
     print(f"{env_id}, {cores} cores, learner threads {threads}, {repeats} repeat(s); "
           f"overlap at --updates-per-iter {balanced}")

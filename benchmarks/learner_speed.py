@@ -1,0 +1,132 @@
+"""Learner updates/s of fast_sac.py for each fast-path setting, on a fixed random batch.
+
+    python benchmarks/learner_speed.py --device cuda                  # the GPU comparison
+    python benchmarks/learner_speed.py --device cpu --batch-sizes 128 256 512 --hidden 256 \
+        --modes eager --threads 1 2                                   # CPU shapes and threads
+
+For every (hidden width, batch size, mode, threads) it times `Learner.train_iteration` on a
+batch already on the device (so it measures the update loop alone: no sampling, no copies),
+after warm-up iterations that also absorb compilation. Modes:
+  eager            plain PyTorch (float32)
+  amp              bf16 autocast
+  compile          torch.compile of the losses (+ bf16 autocast on CUDA)
+  cudagraphs       compile in reduce-overhead mode: CUDA graphs (+ bf16 on CUDA; CUDA only)
+Prints a table (median of --repeats timings) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import fast_sac  # noqa: E402
+
+
+@dataclass
+class Bench:
+    env: str = "Humanoid-v5"
+    """env whose observation and action sizes the networks take"""
+    device: str = "cuda"
+    """cuda or cpu"""
+    batch_sizes: list[int] = field(default_factory=lambda: [8192])
+    """mini-batch sizes"""
+    hidden: list[int] = field(default_factory=lambda: [512, 768])
+    """network widths (actor and critics alike)"""
+    modes: list[str] = field(default_factory=lambda: ["eager", "amp", "compile", "cudagraphs"])
+    """fast-path settings to compare"""
+    threads: list[int] = field(default_factory=lambda: [0])
+    """torch CPU threads (0: leave as is)"""
+    updates_per_iter: int = 8
+    """updates per timed iteration"""
+    iterations: int = 10
+    """timed iterations per repeat"""
+    warmup: int = 3
+    """untimed iterations first (compilation happens here)"""
+    repeats: int = 3
+    """timings per setting; the median is reported"""
+    out: str = "benchmarks/learner_speed.json"
+    """where the JSON goes"""
+
+
+def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
+    cuda = b.device == "cuda"
+    flags = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
+             "compile": dict(compile=True, amp=cuda), "cudagraphs": dict(
+                 compile=True, amp=cuda, cudagraphs=True)}[mode]
+    args = fast_sac.resolve_args(fast_sac.Args(
+        env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
+        actor_hidden=hidden, critic_hidden=hidden, buffer_size=max(1_000_000, 2 * batch),
+        prefetch=False, **flags))
+    obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
+    device = torch.device(b.device)
+    learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, device)
+    n = batch * b.updates_per_iter
+    g = torch.Generator(device=device).manual_seed(0)
+    batch_data = {
+        "obs": torch.randn(n, obs_dim, device=device, generator=g),
+        "next_obs": torch.randn(n, obs_dim, device=device, generator=g),
+        "actions": torch.rand(n, act_dim, device=device, generator=g) * 0.8 - 0.4,
+        "rewards": torch.randn(n, device=device, generator=g),
+        "discounts": torch.full((n,), 0.97, device=device),
+    }
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(b.warmup):
+        learner.train_iteration(batch_data)
+    sync()
+    rates = []
+    for _ in range(b.repeats):
+        t0 = time.perf_counter()
+        for _ in range(b.iterations):
+            metrics = learner.train_iteration(batch_data)
+        sync()
+        rates.append(b.iterations * b.updates_per_iter / (time.perf_counter() - t0))
+    assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+    return rates
+
+
+def main(b: Bench) -> None:
+    if b.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --device cpu")
+    rows = []
+    for threads in b.threads:
+        if threads:
+            torch.set_num_threads(threads)
+        for hidden in b.hidden:
+            for batch in b.batch_sizes:
+                for mode in b.modes:
+                    if mode == "cudagraphs" and b.device != "cuda":
+                        continue
+                    try:
+                        rates = time_setting(b, hidden, batch, mode)
+                        row = dict(threads=torch.get_num_threads(), hidden=hidden, batch=batch,
+                                   mode=mode, updates_per_s=float(np.median(rates)), runs=rates)
+                    except Exception as e:  # report and go on: one failing mode is a result
+                        row = dict(threads=torch.get_num_threads(), hidden=hidden, batch=batch,
+                                   mode=mode, updates_per_s=None,
+                                   error=f"{type(e).__name__}: {e}"[:300])
+                    rows.append(row)
+                    speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
+                             else "    failed " + row["error"])
+                    print(f"threads {row['threads']:2d} | hidden {hidden:4d} | batch "
+                          f"{batch:5d} | {mode:10s} | updates/s {speed}", flush=True)
+    device_name = torch.cuda.get_device_name() if b.device == "cuda" else "cpu"
+    with open(b.out, "w") as f:
+        json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
+                   "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Bench))
