@@ -772,9 +772,10 @@ class Learner:
         self.num_updates = 0
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
         if args.compile:
+            # (static shapes: every mini-batch has the same size)
             mode = "reduce-overhead" if args.cudagraphs else None
-            self.critic_loss_fn = torch.compile(self.critic_loss, mode=mode)
-            self.actor_loss_fn = torch.compile(self.actor_loss, mode=mode)
+            self.critic_loss_fn = torch.compile(self.critic_loss, mode=mode, dynamic=False)
+            self.actor_loss_fn = torch.compile(self.actor_loss, mode=mode, dynamic=False)
         # bf16 autocast; a disabled context costs nothing, so the code path is the same
         self.autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
