@@ -215,3 +215,15 @@ def test_learner_killed_collector_exits_and_removes_memory(script, collectors, t
     while shm_files() - before and time.time() < deadline:
         time.sleep(0.1)
     assert not shm_files() - before
+
+
+@pytest.mark.parametrize("script", FAULT_SCRIPTS)
+def test_fast_path_flags_train_on_cpu(script, tmp_path, no_shm_leak):
+    """The GPU fast path's code (compiled losses, bf16 autocast, prefetching) also runs on
+    the CPU when asked for, in every script."""
+    run_dir = str(tmp_path / "run")
+    res = run_script(script, *SMALL, "--total-timesteps", "1000", "--compile", "True",
+                     "--amp", "True", "--prefetch", "True", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = check_run_dir(run_dir, "pipelined", script)
+    assert ckpt["args"]["compile"] and ckpt["args"]["amp"] and ckpt["args"]["prefetch"]
