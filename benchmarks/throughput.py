@@ -45,7 +45,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fast_sac  # noqa: E402
-from common.control import FAILED, FINISHED, Control  # noqa: E402
+from common.control import CHUNKS_DONE, FINISHED, Control  # noqa: E402
 from common.replay import ReplayBuffer  # noqa: E402
 from common.weights import WeightSync  # noqa: E402
 
@@ -145,11 +145,10 @@ def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collec
         ws.publish(fast_sac.make_actor(args, obs_dim, act_dim, low, high), 0)
         procs = [fast_sac.start_collector(args, i, rb, ws, ctrl, run_dir, None) for i in range(k)]
         fast_sac.wait_until(lambda: ctrl.slowest() >= 1, procs, ctrl)
-        t0, first = time.perf_counter(), int(ctrl.all_counters[:, 0].sum())
+        t0, first = time.perf_counter(), int(ctrl.all_counters[:, CHUNKS_DONE].sum())
         fast_sac.wait_until(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)),
                             procs, ctrl)
-        chunks = int(ctrl.all_counters[:, 0].sum()) - first
-        assert not any(ctrl.row(i).state == FAILED for i in range(k))
+        chunks = int(ctrl.all_counters[:, CHUNKS_DONE].sum()) - first
         return chunks * envs_each * args.steps_per_iter / (time.perf_counter() - t0)
     finally:
         fast_sac.stop_collectors(procs, ctrl)
