@@ -8,6 +8,10 @@ true next observation (the final one at an episode end, never the reset one).
 Writers fill rows first and publish them afterwards by raising the per-env `written`
 counter; readers only sample rows below a counter they were given, so a row that is being
 written is never read.
+
+Ownership: the learner creates the segment (`create`) and unlinks it after its collectors
+are gone; collectors `attach` and write only the rows of their own envs. `Sampler` runs in
+the learner and moves sampled batches to the learner's device.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
 from common.shm import SharedArrays, nbytes_of
 
@@ -130,7 +135,9 @@ class ReplayBuffer:
     def _take(self, field: np.ndarray, flat_rows: np.ndarray, out: np.ndarray | None):
         """Rows of `field` at flat (env * capacity + row) indices, gathered into `out`."""
         flat = field.reshape(self.num_envs * self.capacity, -1)
-        return np.take(flat, flat_rows, axis=0, out=out)
+        # (mode="clip": the indices are valid, and the default mode="raise" first gathers
+        # into a temporary copy when `out` is given)
+        return np.take(flat, flat_rows, axis=0, out=out, mode="clip")
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Observations of env-local steps [start, stop) of every env, flattened."""
@@ -160,3 +167,42 @@ class ReplayBuffer:
     def unlink(self) -> None:
         """Remove the segment (creator only, once all users are done)."""
         self.mem.unlink()
+
+
+def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Sampler:
+    """Draws the learner's samples of `rows` n-step transitions and moves them to `device`.
+
+    With `pinned` on CUDA the rows are gathered straight into pinned host memory and copied
+    without blocking; two sets of buffers alternate, so gathering the next sample never
+    overwrites one whose copy may still be in flight.
+    """
+
+    def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
+                 n_step: int, gamma: float, pinned: bool = False):
+        self.rb, self.rng, self.device = rb, rng, device
+        self.rows, self.n_step, self.gamma = rows, n_step, gamma
+        self.pinned = []
+        if pinned and device.type == "cuda":
+            obs_dim, act_dim = rb.obs.shape[-1], rb.actions.shape[-1]
+            shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim),
+                      "actions": (rows, act_dim), "rewards": (rows,), "discounts": (rows,)}
+            self.pinned = [{k: torch.empty(v, pin_memory=True) for k, v in shapes.items()}
+                           for _ in range(2)]
+        self.turn = 0
+
+    def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
+        """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
+        out = None
+        if self.pinned:
+            buffers = self.pinned[self.turn]
+            self.turn ^= 1
+            out = {k: v.numpy() for k, v in buffers.items()}
+        batch = self.rb.sample(self.rng, self.rows, self.n_step, self.gamma, written, window,
+                               floor, out)
+        if self.pinned:
+            return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
+        return to_device(batch, self.device)

@@ -1,0 +1,352 @@
+"""The collector processes: start, watch, restart and stop them; the sync schedule; snapshots.
+
+A collector is a spawned CPU process (one torch thread, SIGINT ignored) that steps its own
+contiguous slice of the envs chunk by chunk and writes their transitions into the replay
+buffer. The harness here runs the chunk loop; the training script passes two things it owns:
+`make_env(env_id, num_envs, seed)` (a gymnasium vector env with SAME_STEP autoreset) and a
+policy class, `make_policy(args, index, num_envs)`, whose object has `actor` (the module
+whose state the learner publishes), `act(obs, random) -> actions`, `episodes_ended(done)`,
+`state()` and `restore(state)`. The harness never looks inside an action.
+
+What crosses the process boundary, and who owns it:
+- the replay buffer (replay.py), the weights (weights.py) and the Control block (control.py)
+  are created and unlinked by the learner; a collector attaches to them, and unlinks them
+  only when it finds its learner dead (the last one out cleans up);
+- `args` (the script's Args; read here: env, seed, num_envs, num_collectors,
+  steps_per_iter, total_timesteps, learning_starts, sync_mode) and a collector's `start`
+  dict travel once, pickled, when the process is spawned;
+- a snapshot file `.collector_state.{i}.pkl` in the run dir: written by collector i when
+  the learner asks for it (Control's snapshot_req), read and removed by the learner.
+
+DESIGN.md (next to the scripts) explains the schedule and the snapshot timing.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from common.control import (
+    COLLECT_S,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    WEIGHT_LOAD_S,
+    WEIGHT_WAIT_S,
+    Control,
+)
+from common.replay import ReplayBuffer
+from common.weights import WeightSync
+
+# ---------------------------------------------------------------------------------------
+# the sync schedule (shared by both sides)
+
+
+def weights_version_for(chunk: int, sync_mode: str) -> int:
+    """The weights version a collector acts with in `chunk` (lockstep and pipelined).
+
+    The learner publishes version 0 before training and version i+1 after iteration i.
+    """
+    return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
+
+
+def async_window_chunks(sync_mode: str, num_collectors: int) -> int:
+    """Chunks past the learner's read position that collectors may be writing: the one in
+    flight; in async mode also the next, and with several collectors one more, because they
+    may drift a chunk apart."""
+    return 1 if sync_mode != "async" else 2 if num_collectors == 1 else 3
+
+
+def env_slice(num_envs: int, num_collectors: int, index: int) -> slice:
+    """The envs collector `index` steps: contiguous, sizes differing by at most one."""
+    bounds = np.linspace(0, num_envs, num_collectors + 1).round().astype(int)
+    return slice(int(bounds[index]), int(bounds[index + 1]))
+
+
+# ---------------------------------------------------------------------------------------
+# inside a collector process
+
+
+class LearnerGone(Exception):
+    """The learner process exited while this collector was running."""
+
+
+def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_spec: dict,
+                   ctrl_spec: dict, run_dir: str, start: dict | None = None) -> None:
+    """Entry point of collector `index`: collect every chunk, record any error in its
+    Control row. `start` continues from a snapshot (or at a chunk, after a restart)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    torch.set_num_threads(1)
+    rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
+    ctrl = Control.attach(ctrl_spec, index)
+    parent = mp.parent_process()
+    try:
+        _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, start)
+        ctrl.state = FINISHED
+    except BaseException:
+        if parent is not None and not parent.is_alive():
+            for mem in (rb, ws, ctrl):  # the learner died without cleaning up
+                mem.unlink()
+        else:
+            ctrl.fail(traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        for mem in (rb, ws, ctrl):
+            mem.close()
+
+
+def _poll(read, ctrl: Control, parent):
+    """Sleep-poll `read()` until it returns something other than None or False, and return
+    that; None if asked to stop first. Raises LearnerGone when the learner exited."""
+    sleep = 1e-4
+    while not ctrl.stop:
+        value = read()
+        if value is not None and value is not False:
+            return value
+        if parent is not None and not parent.is_alive():
+            raise LearnerGone("learner process exited")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 0.002)
+    return None
+
+
+def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, start):
+    mine = env_slice(args.num_envs, args.num_collectors, index)
+    n, S = mine.stop - mine.start, args.steps_per_iter
+    policy = make_policy(args, index, n)
+    if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
+        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
+        envs = make_env(args.env, n, seed)
+        obs, _ = envs.reset(seed=[seed + i for i in range(n)])
+        ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
+        first_chunk = (start or {}).get("chunk", 0)
+    else:  # continue exactly where a snapshot left off
+        envs = restore_envs(start["envs"])
+        obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
+        policy.restore(start["policy"])
+        first_chunk = start["chunk"]
+    loaded = -1
+    num_chunks = math.ceil(args.total_timesteps / (args.num_envs * S))
+    for chunk in range(first_chunk, num_chunks):
+        step0 = chunk * S
+        random_actions = step0 * args.num_envs < args.learning_starts
+        t0 = time.perf_counter()
+        if args.sync_mode == "async":
+            want = None if not random_actions else loaded
+            # stay at most one chunk ahead of the slowest collector, so that the write
+            # window the learner keeps clear (async_window_chunks) holds every write
+            if _poll(lambda: ctrl.slowest() >= chunk - 1, ctrl, parent) is None:
+                return
+        else:
+            want = weights_version_for(chunk, args.sync_mode)
+        if want is None or want > loaded:  # wait until the version we need is published
+            data = _poll(lambda: ws.read(want), ctrl, parent)
+            if data is None:
+                return
+            t1 = time.perf_counter()
+            if data[0] != loaded and not random_actions:
+                ws.load_into(policy.actor, data[1])
+            loaded = data[0]
+            ctrl.timing[WEIGHT_WAIT_S] += t1 - t0
+            ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
+        if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
+            # for a checkpoint: everything needed to collect this chunk and the rest
+            write_atomic(collector_state_file(run_dir, index), pickle.dumps(dict(
+                chunk=chunk, envs=capture_envs(envs), obs=obs, ep_return=ep_return,
+                ep_length=ep_length, policy=policy.state())))
+            ctrl.snapshot_done = ctrl.snapshot_req
+        t0 = time.perf_counter()
+        for s in range(S):
+            action = policy.act(obs, random_actions)
+            next_obs, reward, terminated, truncated, info = envs.step(action)
+            done = terminated | truncated
+            real_next = next_obs
+            if done.any():
+                # next_obs is already the reset observation; the transition must end at
+                # the true final one. Truncated episodes still bootstrap from it.
+                real_next = next_obs.copy()
+                for i in np.flatnonzero(info["_final_obs"]):
+                    real_next[i] = info["final_obs"][i]
+            rb.write(mine, step0 + s, obs, action, reward, real_next, terminated, done)
+            ep_return += reward
+            ep_length += 1
+            for i in np.flatnonzero(done):
+                ctrl.log_episode(ep_return[i], ep_length[i], (step0 + s + 1) * args.num_envs)
+                ep_return[i], ep_length[i] = 0.0, 0
+            policy.episodes_ended(done)
+            obs = next_obs
+        rb.commit(mine, step0 + S)
+        ctrl.chunks_done = chunk + 1
+        ctrl.timing[COLLECT_S] += time.perf_counter() - t0
+        if ctrl.stop:
+            return
+        if parent is not None and not parent.is_alive():
+            raise LearnerGone("learner process exited")
+    envs.close()
+
+
+def capture_envs(envs) -> bytes:
+    """A gymnasium SyncVectorEnv's sub-envs, pickled so that their episodes continue exactly.
+
+    Pickling a MuJoCo env rebuilds it from its constructor arguments, so its simulation
+    state and random generator are saved beside it.
+    """
+    import mujoco
+
+    extra = []
+    for env in envs.envs:
+        u = env.unwrapped
+        item = {"np_random": u.np_random.bit_generator.state}
+        if isinstance(getattr(u, "data", None), mujoco.MjData):
+            kind = mujoco.mjtState.mjSTATE_INTEGRATION
+            item["mujoco"] = np.empty(mujoco.mj_stateSize(u.model, kind))
+            mujoco.mj_getState(u.model, u.data, item["mujoco"], kind)
+        extra.append(item)
+    return pickle.dumps({"envs": envs.envs, "extra": extra})
+
+
+def restore_envs(blob: bytes):
+    """Inverse of `capture_envs`: a SyncVectorEnv with SAME_STEP autoreset."""
+    import gymnasium as gym
+    import mujoco
+
+    saved = pickle.loads(blob)
+    for env, item in zip(saved["envs"], saved["extra"]):
+        env.unwrapped.np_random.bit_generator.state = item["np_random"]
+        if "mujoco" in item:
+            u = env.unwrapped
+            mujoco.mj_setState(u.model, u.data, item["mujoco"],
+                               mujoco.mjtState.mjSTATE_INTEGRATION)
+    return gym.vector.SyncVectorEnv([lambda e=e: e for e in saved["envs"]],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def collector_state_file(run_dir: str, index: int) -> str:
+    return os.path.join(run_dir, f".collector_state.{index}.pkl")
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write via a temporary file and rename, so `path` is never half-written."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------------------
+# the learner's side
+
+
+class CollectorError(RuntimeError):
+    """A collector failed or exited before finishing; `index` says which."""
+
+    def __init__(self, text: str, index: int):
+        super().__init__(text)
+        self.index = index
+
+
+class Collectors:
+    """The learner's handle on its collector processes (see the module docstring).
+
+    `name` titles the processes (the script's name). The buffers stay the caller's: it
+    creates them before and unlinks them after `stop()`.
+    """
+
+    def __init__(self, name: str, make_env, make_policy, args, rb: ReplayBuffer,
+                 ws: WeightSync, ctrl: Control, run_dir: str):
+        self.name, self.make_env, self.make_policy = name, make_env, make_policy
+        self.args, self.rb, self.ws, self.ctrl, self.run_dir = args, rb, ws, ctrl, run_dir
+        self.procs: list[mp.Process] = []
+
+    def _spawn(self, index: int, start: dict | None) -> mp.Process:
+        proc = mp.get_context("spawn").Process(
+            target=collector_main, daemon=True, name=f"{self.name}-collector-{index}",
+            args=(self.make_env, self.make_policy, self.args, index, self.rb.spec,
+                  self.ws.spec, self.ctrl.spec, self.run_dir, start))
+        proc.start()
+        return proc
+
+    def start(self, starts: list[dict | None]) -> None:
+        """Start one collector per entry of `starts` (None: fresh, from chunk 0)."""
+        self.procs = [self._spawn(i, start) for i, start in enumerate(starts)]
+
+    def check(self) -> None:
+        """Raise CollectorError for the first collector that failed or exited unfinished."""
+        for i, proc in enumerate(self.procs):
+            row = self.ctrl.row(i)
+            if row.state == FAILED or (proc.exitcode is not None and row.state != FINISHED):
+                proc.join(1.0)
+                text = row.error_text()
+                who = "collector" if len(self.procs) == 1 else f"collector {i}"
+                raise CollectorError(f"{who} failed (exit code {proc.exitcode})"
+                                     + (f":\n{text}" if text else ""), i)
+
+    def wait_until(self, condition) -> float:
+        """Sleep-poll `condition` while checking the collectors; returns the seconds waited."""
+        t0, sleep = time.perf_counter(), 1e-4
+        while not condition():
+            self.check()
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.001)
+        return time.perf_counter() - t0
+
+    def restart(self, error: CollectorError, restarts: int) -> None:
+        """Replace the dead collector `error.index` by a fresh one at its next chunk;
+        `restarts` (counted by the caller, this one included) gives its envs new seeds."""
+        i, row = error.index, self.ctrl.row(error.index)
+        print(f"warning: {error}\nrestart #{restarts}: starting a new collector {i}",
+              file=sys.stderr, flush=True)
+        row.stop = True
+        _stop(self.procs[i])
+        chunk = row.chunks_done
+        if chunk > 0:  # the interrupted episodes end at the last complete row: no n-step
+            mine = env_slice(self.args.num_envs, self.args.num_collectors, i)  # sum crosses
+            last = (chunk * self.args.steps_per_iter - 1) % self.rb.capacity  # into new ones
+            self.rb.dones[mine, last] = 1.0
+        row.stop, row.state = False, RUNNING
+        row.error[:] = 0
+        self.procs[i] = self._spawn(i, {"chunk": chunk, "restart": restarts})
+
+    def ask_snapshot(self, chunk: int) -> None:
+        """Ask every collector for its state at the start of `chunk`."""
+        self.ctrl.ask_snapshot(chunk)
+
+    def snapshots(self) -> tuple[list[dict], float]:
+        """Wait for the snapshots asked for; returns them and the seconds waited."""
+        waited = self.wait_until(self.ctrl.snapshots_taken)
+        out = []
+        for i in range(len(self.procs)):
+            with open(collector_state_file(self.run_dir, i), "rb") as f:
+                out.append(pickle.load(f))
+        return out, waited
+
+    def stop(self) -> None:
+        """Ask every collector to stop, then insist: all are gone when this returns, so the
+        caller may unlink the buffers. Removes the snapshot files."""
+        self.ctrl.stop_all()
+        for proc in self.procs:
+            _stop(proc)
+        for i in range(len(self.procs)):
+            try:
+                os.remove(collector_state_file(self.run_dir, i))
+            except FileNotFoundError:
+                pass
+
+
+def _stop(proc: mp.Process) -> None:
+    """Wait for a collector that was asked to stop; terminate, then kill it if it lingers."""
+    proc.join(5.0)
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(2.0)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
