@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -35,26 +36,65 @@ def load(run_dir: str, tag: str) -> tuple[list[float], list[float], list[float]]
             [p.value for p in points])
 
 
+def compact(x: float, _pos=None) -> str:
+    """Tick label for a step count: 25k, 100k, 1.5M."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= size:
+            return f"{x / size:g}{suffix}"
+    return f"{x:g}"
+
+
+def describe(run_dir: str) -> tuple[str | None, str | None, object]:
+    """(env, script, seed) of a run, from its summary.json and its default name
+    {env}__{script}__{seed}__{timestamp}; None where neither tells."""
+    parts = os.path.basename(os.path.normpath(run_dir)).split("__")
+    env, script, seed = parts[:3] if len(parts) == 4 else (None, None, None)
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        env, seed = summary.get("env_id", env), summary.get("seed", seed)
+    except (OSError, ValueError):
+        pass  # still running, or stopped before writing it
+    return env, script, seed
+
+
+def labels(run_dirs: list[str]) -> tuple[list[str], str | None]:
+    """Legend labels ("script seed N", led by the env when several are plotted) and the one
+    env of all runs, if they share one. A run that is not named that way, or whose label
+    would repeat another's, is labelled with its dir name."""
+    runs = [describe(d) for d in run_dirs]
+    envs = {env for env, _, _ in runs}
+    out = [(f"{env} " if len(envs) > 1 else "") + f"{script} seed {seed}" if script else None
+           for env, script, seed in runs]
+    out = [label if label and out.count(label) == 1 else os.path.basename(os.path.normpath(d))
+           for label, d in zip(out, run_dirs)]
+    return out, next(iter(envs)) if len(envs) == 1 else None
+
+
 def main(p: Plot) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     if not p.run_dirs:
         raise SystemExit("give at least one run directory")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for run_dir in p.run_dirs:
+    names, env = labels(p.run_dirs)
+    for run_dir, label in zip(p.run_dirs, names):
         steps, minutes, values = load(run_dir, p.tag)
-        label = os.path.basename(os.path.normpath(run_dir))
         by_step.plot(steps, values, label=label)
         by_time.plot(minutes, values, label=label)
     by_step.set_xlabel("environment steps")
+    by_step.xaxis.set_major_formatter(FuncFormatter(compact))
     by_time.set_xlabel("wall time (minutes)")
     by_step.set_ylabel(p.tag)
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=7)
+    if env:
+        fig.suptitle(env)
     fig.tight_layout()
     fig.savefig(p.out, dpi=120)
     print(f"wrote {p.out}")
