@@ -37,10 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.collectors import CollectorError, Collectors, async_window_chunks
-from common.control import CHUNKS_DONE, COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S, Control
+from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
 from common.replay import ReplayBuffer, Sampler
 from common.shm import check_shm_space
-from common.weights import WeightSync
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
 
@@ -165,18 +164,10 @@ class Args:
 # Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
 # returns the task can produce, about reward_per_step / (1 - gamma).
 VALUE_RANGES = {
-    "Pendulum": (-1700.0, 0.0),
-    "HalfCheetah": (-200.0, 1500.0),
-    "Humanoid": (-100.0, 1000.0),
-    "HumanoidStandup": (0.0, 20000.0),
-    "Hopper": (-100.0, 500.0),
-    "Walker2d": (-100.0, 700.0),
-    "Ant": (-200.0, 800.0),
-    "Swimmer": (-50.0, 200.0),
-    "InvertedPendulum": (0.0, 110.0),
-    "InvertedDoublePendulum": (0.0, 1000.0),
-    "Reacher": (-100.0, 0.0),
-    "Pusher": (-200.0, 0.0),
+    "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 1500.0), "Humanoid": (-100.0, 1000.0),
+    "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 500.0), "Walker2d": (-100.0, 700.0),
+    "Ant": (-200.0, 800.0), "Swimmer": (-50.0, 200.0), "InvertedPendulum": (0.0, 110.0),
+    "InvertedDoublePendulum": (0.0, 1000.0), "Reacher": (-100.0, 0.0), "Pusher": (-200.0, 0.0),
 }
 DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
 
@@ -636,27 +627,17 @@ class Learner:
         tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
         return all(bool(torch.isfinite(t).all()) for t in tensors)
 
+    SAVED = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
+
     def state_dict(self) -> dict:
-        return {
-            "actor": self.actor.state_dict(),
-            "critics": self.critics.state_dict(),
-            "critics_target": self.critics_target.state_dict(),
-            "log_alpha": self.log_alpha.detach().cpu(),
-            "actor_opt": self.actor_opt.state_dict(),
-            "critic_opt": self.critic_opt.state_dict(),
-            "alpha_opt": self.alpha_opt.state_dict(),
-            "num_updates": self.num_updates,
-        }
+        return {k: getattr(self, k).state_dict() for k in self.SAVED} | {
+            "log_alpha": self.log_alpha.detach().cpu(), "num_updates": self.num_updates}
 
     def load_state_dict(self, state: dict) -> None:
-        self.actor.load_state_dict(state["actor"])
-        self.critics.load_state_dict(state["critics"])
-        self.critics_target.load_state_dict(state["critics_target"])
+        for k in self.SAVED:
+            getattr(self, k).load_state_dict(state[k])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
-        self.actor_opt.load_state_dict(state["actor_opt"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        self.alpha_opt.load_state_dict(state["alpha_opt"])
         self.num_updates = state["num_updates"]
 
 
@@ -678,7 +659,7 @@ def train(args: Args, resume: dict | None = None) -> int:
         run.start(resume)
         done = False
         while not done:
-            chunks, window = run.wait_for_data()
+            chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written)
             done = run.advance(chunks)
             save_now = run.plan_checkpoint(chunks, done)
             run.learn(chunks, window, done)
@@ -729,12 +710,11 @@ class Training:
         self.learner = Learner(args, *self.dims, self.device)
         self.num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
         self.capacity = args.buffer_size // args.num_envs
-        self.rb = self.ws = self.ctrl = self.collectors = None
+        self.collectors = None
         # what a checkpoint must carry besides the networks to continue the loop exactly;
         # floor: env-local steps below it hold no data (after a resume without the replay)
-        self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0,
-                         restarts=0)
-        self.timers = dict(wait=0.0, learn=0.0, sync=0.0)
+        self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0)
+        self.timers = dict(learn=0.0, sync=0.0)
         self.t_first_update = self.t_last_update = self.metrics = self.prefetched = None
         self.final_eval, self.ctrl_timing = None, np.zeros(4)
         self.progress = Progress(args, self.learner)
@@ -743,16 +723,15 @@ class Training:
         """Create the shared memory, load `resume`, publish the first weights and start the
         collectors."""
         args, (obs_dim, act_dim, low, high) = self.args, self.dims
-        self.rb = ReplayBuffer.create(args.num_envs, self.capacity, obs_dim, act_dim)
-        self.ctrl = Control.create(args.num_collectors)
-        self.ws = WeightSync.create(make_actor(args, obs_dim, act_dim, low, high))
+        self.collectors = Collectors.create(SCRIPT, args, self.run_dir,
+                                            make_actor(args, obs_dim, act_dim, low, high),
+                                            obs_dim, act_dim)
+        self.rb, self.ws, self.ctrl = self.collectors.rb, self.collectors.ws, self.collectors.ctrl
         starts = [None] * args.num_collectors
         if resume is not None:
             starts = restore(resume, self)
         self.ws.publish(self.learner.actor, self.loop["version"])
-        self.collectors = Collectors(SCRIPT, make_env, Explorer, args, self.rb, self.ws,
-                                     self.ctrl, self.run_dir)
-        self.collectors.start(starts)
+        self.collectors.start(make_env, Explorer, starts)
         self.episodes_seen = [0] * args.num_collectors
         self.sample = Sampler(self.rb, self.rng, self.device,
                               args.batch_size * args.updates_per_iter, args.n_step,
@@ -760,34 +739,6 @@ class Training:
         self.next_save = next_multiple(self.loop["global_step"], args.save_interval)
         self.next_eval = next_multiple(self.loop["global_step"], args.eval_interval)
         self.written = self.loop["normalized_upto"]
-
-    def wait_for_data(self) -> tuple[int, int]:
-        """Wait for the rows this iteration trains on; returns the chunks they fill and the
-        rows after them that a write in flight may touch. Replaces a dead collector here
-        with --restart-collector."""
-        args, ctrl, S, E = self.args, self.ctrl, self.args.steps_per_iter, self.args.num_envs
-        while True:
-            try:
-                if args.sync_mode == "async":
-                    # free-running: train on whatever is complete, keeping the chunks that
-                    # collectors may be writing out of the sample
-                    seen = self.written if self.written * E < args.learning_starts else 0
-                    self.timers["wait"] += self.collectors.wait_until(
-                        lambda: ctrl.slowest() * S > seen)
-                    chunks = ctrl.slowest()
-                    return chunks, async_window_chunks(args.sync_mode, args.num_collectors) * S
-                # the schedule fixes which rows exist, so timing cannot change the result
-                iteration = self.loop["iteration"]
-                self.timers["wait"] += self.collectors.wait_until(
-                    lambda: ctrl.slowest() > iteration)
-                chunks = iteration + 1
-                pipelined = args.sync_mode == "pipelined" and chunks < self.num_chunks
-                return chunks, S if pipelined else 0
-            except CollectorError as e:
-                if not args.restart_collector:
-                    raise
-                self.loop["restarts"] += 1
-                self.collectors.restart(e, self.loop["restarts"])
 
     def advance(self, chunks: int) -> bool:
         """Count the env steps collected; True when this is the last iteration."""
@@ -800,11 +751,9 @@ class Training:
         snapshot now. It holds their state at the start of the chunk that needs this
         iteration's weights, so it is asked for before they are published (async
         collectors drift apart, so with several there is no common snapshot)."""
-        args = self.args
-        self.snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(
-            args.sync_mode, 0 if args.num_collectors == 1 else self.num_chunks)
+        self.snapshot_chunk = self.collectors.snapshot_chunk(chunks)
         save_now = self.loop["global_step"] >= self.next_save and not done  # (end: final)
-        if save_now and self.snapshot_chunk < self.num_chunks:
+        if save_now and self.snapshot_chunk is not None:
             self.collectors.ask_snapshot(self.snapshot_chunk)
         return save_now
 
@@ -837,8 +786,8 @@ class Training:
         nxt, nxt_window = ctrl.slowest(), window  # async: whatever is complete
         if self.args.sync_mode == "pipelined":
             nxt, nxt_window = chunks + 1, S if chunks + 1 < self.num_chunks else 0
-            with contextlib.suppress(CollectorError):  # (handled in wait_for_data)
-                self.timers["wait"] += self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
+            with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
+                self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
         if ctrl.slowest() >= nxt:
             self.prefetched = self.sample(nxt * S, nxt_window, self.loop["floor"])
 
@@ -869,7 +818,7 @@ class Training:
             writer.add_scalar("perf/collect_time", timing[COLLECT_S], step)
             writer.add_scalar("perf/collector_weight_wait", timing[WEIGHT_WAIT_S], step)
             writer.add_scalar("perf/collector_weight_load", timing[WEIGHT_LOAD_S], step)
-            for k, v in self.timers.items():
+            for k, v in self.all_timers().items():
                 writer.add_scalar(f"perf/{k}_time", v, step)
             self.progress.show(step, elapsed)
 
@@ -892,9 +841,8 @@ class Training:
     def save_with_snapshot(self) -> None:
         """A periodic checkpoint, with the collectors' snapshot when one was asked for."""
         collector_state = None
-        if self.snapshot_chunk < self.num_chunks:
-            collector_state, waited = self.collectors.snapshots()
-            self.timers["wait"] += waited
+        if self.snapshot_chunk is not None:
+            collector_state = self.collectors.snapshots()
         self.checkpoint(f"checkpoint_{self.loop['global_step']}.pt", collector_state)
         self.next_save = next_multiple(self.loop["global_step"], self.args.save_interval)
 
@@ -906,13 +854,16 @@ class Training:
                            "the last good checkpoint is kept")
         state = self.learner.state_dict() | {
             "args": dataclasses.asdict(self.args), "script": SCRIPT, **self.loop,
+            "restarts": self.collectors.restarts,
             "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
             "collector": collector_state, "replay": None}
         if collector_state is not None and self.args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
             self.rb.save(os.path.join(self.run_dir, state["replay"]),
                          collector_state[0]["chunk"] * self.args.steps_per_iter)
-        save_checkpoint(self.run_dir, name, state)
+        path = os.path.join(self.run_dir, name)  # (via a rename: never half-written)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
 
     def finish(self) -> None:
         """After the last iteration: the final evaluation and model_final.pt."""
@@ -923,14 +874,9 @@ class Training:
 
     def close(self) -> None:
         """Stop the collectors first, then remove the shared memory."""
-        if self.ctrl is not None:
-            self.ctrl_timing = self.ctrl.mean_timing()
         if self.collectors is not None:
-            self.collectors.stop()
-        for mem in (self.rb, self.ws, self.ctrl):
-            if mem is not None:
-                mem.close()
-                mem.unlink()
+            self.ctrl_timing = self.ctrl.mean_timing()
+            self.collectors.close()
         self.writer.close()
 
     def write_summary(self, status: str) -> None:
@@ -940,12 +886,31 @@ class Training:
             "total_env_steps": loop["global_step"], "num_updates": learner.num_updates,
             "iterations": loop["iteration"], "wall_time_s": round(time.time() - self.t_start, 2),
             "final_eval_return": self.final_eval, "device": self.args.device,
-            "seed": self.args.seed, "collector_restarts": loop["restarts"],
-            "perf": perf_summary(self.timers, self.ctrl_timing, loop["global_step"],
-                                 learner.num_updates, self.t_first_update, self.t_last_update),
+            "seed": self.args.seed, "perf": self.perf(),
+            "collector_restarts": self.collectors.restarts if self.collectors else 0,
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+
+    def all_timers(self) -> dict:
+        """Seconds spent waiting for collectors, learning and publishing weights."""
+        return {"wait": self.collectors.wait_s if self.collectors else 0.0, **self.timers}
+
+    def perf(self) -> dict:
+        """Throughput figures for summary.json (rates over the time each part was busy)."""
+        collect_s, timers = float(self.ctrl_timing[COLLECT_S]), self.all_timers()
+        steps, updates = self.loop["global_step"], self.learner.num_updates
+        training_s = (self.t_last_update - self.t_first_update) if self.t_first_update else 0
+
+        def rate(n, seconds):
+            return round(n / seconds, 1) if seconds else None
+
+        return {"collect_s": round(collect_s, 3),
+                "collector_weight_wait_s": round(self.ctrl_timing[WEIGHT_WAIT_S], 3),
+                **{f"{k}_s": round(v, 3) for k, v in timers.items()},
+                "collector_steps_per_s": rate(steps, collect_s),
+                "learner_updates_per_s": rate(updates, timers["learn"]),
+                "updates_per_s_since_first_update": rate(updates, training_s)}
 
 
 class Diverged(RuntimeError):
@@ -969,21 +934,6 @@ def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates
 def next_multiple(step: int, interval: int) -> float:
     """The first multiple of `interval` above `step` (inf when interval is 0: never)."""
     return (step // interval + 1) * interval if interval else math.inf
-
-
-def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, t_last_update):
-    """Throughput figures for summary.json (rates over the time each part was busy)."""
-    collect_s = float(ctrl_timing[COLLECT_S])
-    training_s = (t_last_update - t_first_update) if t_first_update else 0.0
-    return {
-        "collect_s": round(collect_s, 3), "collector_weight_wait_s": round(ctrl_timing[1], 3),
-        **{f"{k}_s": round(v, 3) for k, v in timers.items()},
-        "collector_steps_per_s": round(global_step / collect_s, 1) if collect_s else None,
-        "learner_updates_per_s": (round(num_updates / timers["learn"], 1)
-                                  if timers["learn"] else None),
-        "updates_per_s_since_first_update": (round(num_updates / training_s, 1)
-                                             if training_s else None),
-    }
 
 
 # =======================================================================================
@@ -1096,14 +1046,6 @@ def record_video(actor: Actor, args: Args, device, run_dir: str, global_step: in
 # Checkpoints and resume
 
 
-def save_checkpoint(run_dir: str, name: str, state: dict) -> str:
-    """torch.save via a temporary file and rename: a crash never leaves a half-written file."""
-    path = os.path.join(run_dir, name)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
-
-
 def find_checkpoint(path: str) -> str:
     """`path` itself, or the newest checkpoint in the run dir `path`."""
     if os.path.isdir(path):
@@ -1164,18 +1106,15 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
     torch.set_rng_state(ckpt["torch_rng"])
     loop, S = run.loop, run.args.steps_per_iter
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
+    run.collectors.restarts = ckpt["restarts"]
     # without a snapshot, fresh episodes start at the chunk that uses the saved weights
     first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
-    starts = ckpt["collector"] or [{"chunk": first, "restart": loop["restarts"] + 1}] * run.ctrl.num
+    starts = ckpt["collector"] or [{"chunk": first, "restart": ckpt["restarts"] + 1}] * run.ctrl.num
     chunk = starts[0]["chunk"]
-    if ckpt["replay"]:
-        loaded = run.rb.load(os.path.join(ckpt["dir"], ckpt["replay"]))
-        assert loaded == chunk * S, "replay file and collector snapshot disagree"
-    else:  # nothing below this chunk is in the buffer: refill before updating again
+    if not ckpt["replay"]:  # nothing below this chunk is in the buffer: refill first
         loop["floor"] = chunk * S
         loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
-    run.rb.commit(slice(None), chunk * S)
-    run.ctrl.all_counters[:, CHUNKS_DONE] = chunk
+    run.collectors.resume_at(chunk, ckpt["replay"] and os.path.join(ckpt["dir"], ckpt["replay"]))
     return starts
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from common.control import (
+    CHUNKS_DONE,
     COLLECT_S,
     FAILED,
     FINISHED,
@@ -254,17 +255,49 @@ class CollectorError(RuntimeError):
 
 
 class Collectors:
-    """The learner's handle on its collector processes (see the module docstring).
+    """The learner's side: one node's shared memory and its collector processes.
 
-    `name` titles the processes (the script's name). The buffers stay the caller's: it
-    creates them before and unlinks them after `stop()`.
+    `create` makes the replay buffer, the weights and the Control block (this object owns
+    them: `close` stops the processes first, then unlinks them); `attach` maps another
+    learner rank's (that rank owns them). `args` is the script's Args (see the module
+    docstring; also read here: buffer_size, restart_collector).
     """
 
-    def __init__(self, name: str, make_env, make_policy, args, rb: ReplayBuffer,
-                 ws: WeightSync, ctrl: Control, run_dir: str):
-        self.name, self.make_env, self.make_policy = name, make_env, make_policy
-        self.args, self.rb, self.ws, self.ctrl, self.run_dir = args, rb, ws, ctrl, run_dir
+    def __init__(self, name: str, args, run_dir: str, rb: ReplayBuffer, ws: WeightSync | None,
+                 ctrl: Control, owner: bool = True):
+        self.name, self.args, self.run_dir, self.owner = name, args, run_dir, owner
+        self.rb, self.ws, self.ctrl = rb, ws, ctrl
         self.procs: list[mp.Process] = []
+        self.num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
+        self.restarts, self.wait_s = 0, 0.0
+
+    @classmethod
+    def create(cls, name: str, args, run_dir: str, actor: torch.nn.Module, obs_dim: int,
+               act_dim: int) -> Collectors:
+        """Allocate the buffers (the weights sized for `actor`); no process starts yet."""
+        made = []
+        try:
+            made.append(ReplayBuffer.create(args.num_envs, args.buffer_size // args.num_envs,
+                                            obs_dim, act_dim))
+            made.append(WeightSync.create(actor))
+            made.append(Control.create(args.num_collectors))
+        except BaseException:
+            for mem in made:
+                mem.close()
+                mem.unlink()
+            raise
+        return cls(name, args, run_dir, *made)
+
+    @classmethod
+    def attach(cls, name: str, args, run_dir: str, spec: dict) -> Collectors:
+        """The buffers another rank created (`spec` is its `.spec`); this side only waits
+        and samples: it starts no collectors and publishes no weights."""
+        return cls(name, args, run_dir, ReplayBuffer.attach(spec["rb"], untrack=True), None,
+                   Control.attach(spec["ctrl"], untrack=True), owner=False)
+
+    @property
+    def spec(self) -> dict:
+        return {"rb": self.rb.spec, "ctrl": self.ctrl.spec}
 
     def _spawn(self, index: int, start: dict | None) -> mp.Process:
         proc = mp.get_context("spawn").Process(
@@ -274,9 +307,21 @@ class Collectors:
         proc.start()
         return proc
 
-    def start(self, starts: list[dict | None]) -> None:
-        """Start one collector per entry of `starts` (None: fresh, from chunk 0)."""
+    def start(self, make_env, make_policy, starts: list[dict | None]) -> None:
+        """Start one collector per entry of `starts` (None: fresh, from chunk 0); see the
+        module docstring for `make_env` and `make_policy`."""
+        self.make_env, self.make_policy = make_env, make_policy
         self.procs = [self._spawn(i, start) for i, start in enumerate(starts)]
+
+    def resume_at(self, chunk: int, replay_file: str | None) -> None:
+        """Before `start`: the buffer holds the rows below `chunk` (loaded from `replay_file`,
+        else none) and every collector continues at `chunk`."""
+        S = self.args.steps_per_iter
+        if replay_file:
+            loaded = self.rb.load(replay_file)
+            assert loaded == chunk * S, "replay file and collector snapshot disagree"
+        self.rb.commit(slice(None), chunk * S)
+        self.ctrl.all_counters[:, CHUNKS_DONE] = chunk
 
     def check(self) -> None:
         """Raise CollectorError for the first collector that failed or exited unfinished."""
@@ -289,20 +334,50 @@ class Collectors:
                 raise CollectorError(f"{who} failed (exit code {proc.exitcode})"
                                      + (f":\n{text}" if text else ""), i)
 
-    def wait_until(self, condition) -> float:
-        """Sleep-poll `condition` while checking the collectors; returns the seconds waited."""
+    def wait_until(self, condition) -> None:
+        """Sleep-poll `condition` while checking the collectors; the time counts in wait_s."""
         t0, sleep = time.perf_counter(), 1e-4
-        while not condition():
-            self.check()
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.001)
-        return time.perf_counter() - t0
+        try:
+            while not condition():
+                self.check()
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 0.001)
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
-    def restart(self, error: CollectorError, restarts: int) -> None:
-        """Replace the dead collector `error.index` by a fresh one at its next chunk;
-        `restarts` (counted by the caller, this one included) gives its envs new seeds."""
+    def wait_for_chunk(self, iteration: int, written: int, agree=None) -> tuple[int, int]:
+        """Wait for the rows learner iteration `iteration` trains on; returns how many
+        chunks they fill and the rows after them that a write in flight may touch.
+        `written`: the env-local steps the last iteration used. `agree(n)` makes several
+        learner ranks agree on async progress (the minimum over ranks). A dead collector
+        is replaced here with --restart-collector, else CollectorError is raised."""
+        args, ctrl, S = self.args, self.ctrl, self.args.steps_per_iter
+        while True:
+            try:
+                if args.sync_mode == "async":
+                    # free-running: train on whatever is complete, keeping the chunks that
+                    # collectors may be writing out of the sample (before learning starts,
+                    # wait for new rows: they are what the learner waits for)
+                    seen = written if written * args.num_envs < args.learning_starts else 0
+                    self.wait_until(lambda: ctrl.slowest() * S > seen)
+                    chunks = agree(ctrl.slowest()) if agree else ctrl.slowest()
+                    return chunks, async_window_chunks(args.sync_mode, args.num_collectors) * S
+                # the schedule fixes which rows exist, so timing cannot change the result
+                self.wait_until(lambda: ctrl.slowest() > iteration)
+                chunks = iteration + 1
+                pipelined = args.sync_mode == "pipelined" and chunks < self.num_chunks
+                return chunks, S if pipelined else 0
+            except CollectorError as e:
+                if not (args.restart_collector and self.owner):
+                    raise
+                self.restart(e)
+
+    def restart(self, error: CollectorError) -> None:
+        """Replace the dead collector `error.index` by a fresh one at its next chunk (its
+        envs get new seeds)."""
         i, row = error.index, self.ctrl.row(error.index)
-        print(f"warning: {error}\nrestart #{restarts}: starting a new collector {i}",
+        self.restarts += 1
+        print(f"warning: {error}\nrestart #{self.restarts}: starting a new collector {i}",
               file=sys.stderr, flush=True)
         row.stop = True
         _stop(self.procs[i])
@@ -313,25 +388,36 @@ class Collectors:
             self.rb.dones[mine, last] = 1.0
         row.stop, row.state = False, RUNNING
         row.error[:] = 0
-        self.procs[i] = self._spawn(i, {"chunk": chunk, "restart": restarts})
+        self.procs[i] = self._spawn(i, {"chunk": chunk, "restart": self.restarts})
+
+    def snapshot_chunk(self, chunks: int) -> int | None:
+        """The chunk at whose start a checkpoint taken after learning on `chunks` chunks
+        must capture the collectors: the first chunk collected with the weights published
+        next. None where there is no common one (async collectors drift apart)."""
+        mode = self.args.sync_mode
+        chunk = chunks if mode == "lockstep" else chunks + 1 if mode == "pipelined" else (
+            0 if self.args.num_collectors == 1 else None)
+        return chunk if chunk is not None and chunk < self.num_chunks else None
 
     def ask_snapshot(self, chunk: int) -> None:
-        """Ask every collector for its state at the start of `chunk`."""
+        """Ask every collector for its state at the start of `chunk` (asked before the
+        weights that chunk needs are published, so no collector is past it)."""
         self.ctrl.ask_snapshot(chunk)
 
-    def snapshots(self) -> tuple[list[dict], float]:
-        """Wait for the snapshots asked for; returns them and the seconds waited."""
-        waited = self.wait_until(self.ctrl.snapshots_taken)
+    def snapshots(self) -> list[dict]:
+        """Wait for the snapshots asked for and return them, one per collector."""
+        self.wait_until(self.ctrl.snapshots_taken)
         out = []
         for i in range(len(self.procs)):
             with open(collector_state_file(self.run_dir, i), "rb") as f:
                 out.append(pickle.load(f))
-        return out, waited
+        return out
 
-    def stop(self) -> None:
-        """Ask every collector to stop, then insist: all are gone when this returns, so the
-        caller may unlink the buffers. Removes the snapshot files."""
-        self.ctrl.stop_all()
+    def close(self) -> None:
+        """Ask every collector to stop, then insist; once all are gone, remove the shared
+        memory (owner) and the snapshot files."""
+        if self.owner:
+            self.ctrl.stop_all()
         for proc in self.procs:
             _stop(proc)
         for i in range(len(self.procs)):
@@ -339,6 +425,11 @@ class Collectors:
                 os.remove(collector_state_file(self.run_dir, i))
             except FileNotFoundError:
                 pass
+        for mem in (self.rb, self.ws, self.ctrl):
+            if mem is not None:
+                mem.close()
+                if self.owner:
+                    mem.unlink()
 
 
 def _stop(proc: mp.Process) -> None:
