@@ -1,12 +1,16 @@
-"""FastTD3: TD3 with distributional critics, fed by an asynchronous CPU collector.
+"""FastTD3: TD3 with distributional critics, fed by asynchronous CPU collectors.
 
     python fast_td3.py --env Humanoid
     python fast_td3.py --env HalfCheetah --sync-mode lockstep --total-timesteps 200000
 
-One learner process (this one, on the GPU when there is one) and one collector subprocess
-(CPU) share a replay buffer and the actor's weights through shared memory; see
-common/replay.py and common/weights.py. Read top to bottom: Args -> env factory ->
-networks -> collector -> learner.
+This process is the learner (on the GPU when there is one). Collector subprocesses (CPU)
+step the envs and write transitions into a replay buffer in shared memory; the learner
+samples it, trains, and publishes the actor's weights back through shared memory.
+
+Read top to bottom: Args -> recipe and checks -> env -> networks -> how a collector acts
+-> Learner (losses, update rule) -> the training loop -> checkpoints -> main. To try an
+idea, copy this file and edit the first part; the plumbing below "the training loop" rarely
+needs a change. common/ moves the bytes between processes; DESIGN.md explains how.
 """
 
 from __future__ import annotations
@@ -14,17 +18,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import re
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import gymnasium as gym
@@ -33,19 +36,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.control import (
-    CHUNKS_DONE,
-    COLLECT_S,
-    FAILED,
-    FINISHED,
-    RUNNING,
-    WEIGHT_LOAD_S,
-    WEIGHT_WAIT_S,
-    Control,
-)
-from common.replay import ReplayBuffer
+from common.collectors import CollectorError, Collectors, async_window_chunks
+from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
+from common.replay import ReplayBuffer, Sampler
 from common.shm import check_shm_space
-from common.weights import WeightSync
+
+SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
+
+
+# =======================================================================================
+# Arguments: the algorithm's first, then sizes, then how the run is kept
 
 
 @dataclass
@@ -56,39 +56,10 @@ class Args:
     """seed of networks, sampling, exploration and environments"""
     total_timesteps: int = 1_000_000
     """environment steps to collect, summed over all envs"""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """where the learner runs; auto picks cuda when available. The collector is always CPU"""
-    env_backend: Literal["gymnasium", "envpool"] = "gymnasium"
-    """simulator of the collectors: gymnasium's MuJoCo envs, or envpool's C++ versions of the
-    same tasks (pip install envpool; evaluation always uses gymnasium)"""
-    sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
-    """lockstep: collect and learn in turn; pipelined: collect chunk i+1 while learning on
-    chunk i (weights one chunk stale, deterministic); async: both free-running"""
-
-    # sizes; None means the recipe default for the learner's device (see README)
-    num_envs: int | None = None
-    """parallel environments, all collectors together (default 8 on CPU, 32 on GPU)"""
-    num_collectors: int | None = None
-    """collector subprocesses, each stepping its own slice of the envs (default: see
-    default_num_collectors; 1 on a CPU machine of up to 4 cores)"""
-    buffer_size: int | None = None
-    """replay capacity in transitions, all envs together (default 1M)"""
-    batch_size: int | None = None
-    """transitions per gradient update (default 256 on CPU, 4096 on GPU)"""
-    learning_starts: int | None = None
-    """environment steps of uniform random actions before the first update (default 5000)"""
-    steps_per_iter: int | None = None
-    """environment steps per env between learner iterations (default 8)"""
-    updates_per_iter: int | None = None
-    """gradient updates per learner iteration (default 16 on CPU, 32 on GPU)"""
-    actor_hidden: int | None = None
-    """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
-    critic_hidden: int | None = None
-    """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
 
     # algorithm
     policy_frequency: int = 2
-    """critic updates per actor (and temperature) update"""
+    """critic updates per actor update"""
     gamma: float = 0.99
     """discount factor"""
     tau: float = 0.01
@@ -120,9 +91,35 @@ class Args:
     v_max: float | None = None
     """highest value of the critics' support (default: per env family, see VALUE_RANGES)"""
 
+    # sizes; None means the recipe default for the learner's device (see README)
+    num_envs: int | None = None
+    """parallel environments, all collectors together (default 8 on CPU, 32 on GPU)"""
+    num_collectors: int | None = None
+    """collector subprocesses, each stepping its own slice of the envs (default: see
+    default_num_collectors; 1 on a CPU machine of up to 4 cores)"""
+    buffer_size: int | None = None
+    """replay capacity in transitions, all envs together (default 1M)"""
+    batch_size: int | None = None
+    """transitions per gradient update (default 256 on CPU, 4096 on GPU)"""
+    learning_starts: int | None = None
+    """environment steps of uniform random actions before the first update (default 5000)"""
+    steps_per_iter: int | None = None
+    """environment steps per env between learner iterations (default 8)"""
+    updates_per_iter: int | None = None
+    """gradient updates per learner iteration (default 16 on CPU, 32 on GPU)"""
+    actor_hidden: int | None = None
+    """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
+    critic_hidden: int | None = None
+    """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
+
     # run
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where the learner runs; auto picks cuda when available. Collectors are always CPU"""
+    sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
+    """lockstep: collect and learn in turn; pipelined: collect chunk i+1 while learning on
+    chunk i (weights one chunk stale, deterministic); async: both free-running"""
     run_dir: str | None = None
-    """output folder (default runs/{env}__fast_td3__{seed}__{timestamp})"""
+    """output folder (default runs/{env}__{script}__{seed}__{timestamp})"""
     save_interval: int = 0
     """env steps between checkpoints; 0 saves only model_final.pt"""
     eval_interval: int = 50_000
@@ -138,16 +135,20 @@ class Args:
     """store the replay buffer with each checkpoint, so that a resumed run continues exactly
     (in lockstep and pipelined modes: the same final parameters as an uninterrupted run)"""
     restart_collector: bool = False
-    """if the collector dies, start a fresh one and carry on instead of exiting"""
+    """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_only: bool = False
     """only evaluate --checkpoint for --eval-episodes episodes, print mean and std"""
     checkpoint: str | None = None
     """checkpoint file or run dir for --eval-only"""
     capture_video: bool = False
     """record one deterministic episode at each evaluation to {run_dir}/videos (needs
-    offscreen rendering: MUJOCO_GL=egl, the default here, or osmesa)"""
+    imageio and offscreen rendering: MUJOCO_GL=egl, the default here, or osmesa)"""
     quiet: bool = False
     """no progress bar or progress lines (evaluations and errors are still printed)"""
+    track: bool = False
+    """log to Weights & Biases (needs wandb)"""
+    wandb_project: str = "fast-rl"
+    """wandb project name"""
     # GPU fast path; None means on with a CUDA learner and off on CPU (see README)
     compile: bool | None = None
     """torch.compile the loss computations of the update steps (None: on with CUDA)"""
@@ -160,27 +161,15 @@ class Args:
     trains; copies to the GPU do not block (None: on with CUDA)"""
     learner_threads: int | None = None
     """torch threads of the learner on CPU (default: see default_learner_threads)"""
-    track: bool = False
-    """log to Weights & Biases (wandb is imported only then)"""
-    wandb_project: str = "fast-rl"
-    """wandb project name"""
 
 
 # Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
 # returns the task can produce, about reward_per_step / (1 - gamma).
 VALUE_RANGES = {
-    "Pendulum": (-1700.0, 0.0),
-    "HalfCheetah": (-200.0, 1500.0),
-    "Humanoid": (-100.0, 1000.0),
-    "HumanoidStandup": (0.0, 20000.0),
-    "Hopper": (-100.0, 500.0),
-    "Walker2d": (-100.0, 700.0),
-    "Ant": (-200.0, 800.0),
-    "Swimmer": (-50.0, 200.0),
-    "InvertedPendulum": (0.0, 110.0),
-    "InvertedDoublePendulum": (0.0, 1000.0),
-    "Reacher": (-100.0, 0.0),
-    "Pusher": (-200.0, 0.0),
+    "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 1500.0), "Humanoid": (-100.0, 1000.0),
+    "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 500.0), "Walker2d": (-100.0, 700.0),
+    "Ant": (-200.0, 800.0), "Swimmer": (-50.0, 200.0), "InvertedPendulum": (0.0, 110.0),
+    "InvertedDoublePendulum": (0.0, 1000.0), "Reacher": (-100.0, 0.0), "Pusher": (-200.0, 0.0),
 }
 DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
 
@@ -188,6 +177,10 @@ CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_st
                   steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=256)
 GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=32, actor_hidden=512, critic_hidden=1024)
+
+
+# =======================================================================================
+# Recipe defaults and argument checks (all before any process starts)
 
 
 class ArgsError(ValueError):
@@ -214,12 +207,6 @@ def default_learner_threads(num_collectors: int) -> int:
     shares a core. Measured on 2 cores (README): a second learner thread that shares the
     collector's core gains no updates/s inside a run and halves the collector's speed."""
     return max(1, available_cores() - num_collectors)
-
-
-def env_slice(num_envs: int, num_collectors: int, index: int) -> slice:
-    """The envs collector `index` steps: contiguous, sizes differing by at most one."""
-    bounds = np.linspace(0, num_envs, num_collectors + 1).round().astype(int)
-    return slice(int(bounds[index]), int(bounds[index + 1]))
 
 
 def resolve_env_id(name: str) -> str:
@@ -272,17 +259,19 @@ def resolve_args(args: Args) -> Args:
                         f"{args.num_collectors}: each collector steps at least one env")
     if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
         raise ArgsError("--gamma and --tau must lie in (0, 1]")
-    if not 0 <= args.std_min <= args.std_max:
-        raise ArgsError(f"need 0 <= --std-min <= --std-max, got {args.std_min}, {args.std_max}")
     if args.v_min >= args.v_max:
         raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
-    if args.env_backend == "envpool":
-        check_envpool(args)
+    if not 0 <= args.std_min <= args.std_max:
+        raise ArgsError(f"need 0 <= --std-min <= --std-max, got {args.std_min}, {args.std_max}")
     if args.learning_starts >= args.total_timesteps:
         raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
                         f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
+    for flag, package in (("track", "wandb"), ("capture_video", "imageio")):
+        if getattr(args, flag) and importlib.util.find_spec(package) is None:
+            raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
+                            f"pip install {package}")
     capacity = args.buffer_size // args.num_envs
-    chunk = args.steps_per_iter * async_window_chunks(args)
+    chunk = args.steps_per_iter * async_window_chunks(args.sync_mode, args.num_collectors)
     usable = (capacity - chunk - args.n_step + 1) * args.num_envs
     if capacity < 2 * chunk + args.n_step:
         raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
@@ -295,12 +284,12 @@ def resolve_args(args: Args) -> Args:
     space, obs_space = env.action_space, env.observation_space
     env.close()
     if not isinstance(space, gym.spaces.Box):
-        raise ArgsError(f"{env_id} has a {type(space).__name__} action space; FastTD3 needs "
+        raise ArgsError(f"{env_id} has a {type(space).__name__} action space; {SCRIPT} needs "
                         "continuous (Box) actions")
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
         raise ArgsError(f"{env_id} must have a flat Box observation space, got {obs_space}")
     if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-        raise ArgsError(f"{env_id} has unbounded actions; FastTD3 squashes into finite bounds")
+        raise ArgsError(f"{env_id} has unbounded actions; {SCRIPT} squashes into finite bounds")
     try:  # a default Docker container has only 64 MiB of /dev/shm
         check_shm_space(ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0],
                                             space.shape[0]), "The replay buffer")
@@ -309,105 +298,19 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-# ---------------------------------------------------------------------------------------
-# environments
+# =======================================================================================
+# Environments
 
 
-def make_env(env_id: str, num_envs: int, backend: str = "gymnasium", seed: int = 0):
-    """A synchronous vector env that resets finished envs within the same step.
+def make_env(env_id: str, num_envs: int, seed: int = 0):
+    """The collectors' vector env: finished envs reset within the same step.
 
     SAME_STEP autoreset returns the reset observation at once and puts the true last
-    observation in info["final_obs"], so every step is a storable transition. Env i is
-    seeded with seed + i at its first reset.
+    observation in info["final_obs"], so every step is a storable transition. (The
+    collectors seed env i with seed + i at the first reset.)
     """
-    if backend == "envpool":
-        return EnvPoolSameStep(env_id, num_envs, seed)
     return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-
-
-class EnvPoolSameStep:
-    """envpool's MuJoCo envs (C++, one thread) behind the interface the collector uses.
-
-    envpool resets a finished env on the step after it ends and ignores that step's action;
-    here finished envs are reset within the step instead, as gymnasium's SAME_STEP mode does,
-    and their true last observation goes to info["final_obs"]. envpool seeds its envs when
-    they are made, so reset(seed=...) has nothing left to do.
-    """
-
-    def __init__(self, env_id: str, num_envs: int, seed: int):
-        import envpool
-
-        self.env = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed,
-                                num_threads=1)
-        self.num_envs = num_envs
-        self.single_observation_space = self.env.observation_space  # (envpool's are per env)
-        self.single_action_space = self.env.action_space
-
-    def reset(self, seed=None):
-        obs, info = self.env.reset()
-        return obs.astype(np.float32), info
-
-    def step(self, action: np.ndarray):
-        obs, reward, terminated, truncated, info = self.env.step(action.astype(np.float64))
-        obs, done, info = obs.astype(np.float32), terminated | truncated, {}
-        if done.any():
-            info = {"final_obs": obs.copy(), "_final_obs": done}
-            fresh, fresh_info = self.env.reset(np.flatnonzero(done))
-            obs[fresh_info["env_id"]] = fresh
-        return obs, reward.astype(np.float64), terminated, truncated, info
-
-    def close(self) -> None:
-        self.env.close()
-
-
-def check_envpool(args: Args) -> None:
-    """--env-backend envpool: installed, offers the task, and no exact resume is promised."""
-    try:
-        import envpool
-    except ImportError:
-        raise ArgsError("--env-backend envpool needs the envpool package: pip install envpool "
-                        "(or use the default --env-backend gymnasium)") from None
-    if args.env not in envpool.list_all_envs():
-        raise ArgsError(f"envpool has no {args.env}; use --env-backend gymnasium")
-    if args.save_replay:
-        raise ArgsError("--save-replay promises an exact resume, but envpool's envs cannot be "
-                        "saved; use --env-backend gymnasium for it")
-
-
-def capture_envs(envs: gym.vector.SyncVectorEnv) -> bytes:
-    """The vector env's sub-envs, pickled so that their episodes continue exactly.
-
-    Pickling a MuJoCo env rebuilds it from its constructor arguments, so its simulation
-    state and random generator are saved beside it.
-    """
-    import mujoco
-
-    extra = []
-    for env in envs.envs:
-        u = env.unwrapped
-        item = {"np_random": u.np_random.bit_generator.state}
-        if isinstance(getattr(u, "data", None), mujoco.MjData):
-            kind = mujoco.mjtState.mjSTATE_INTEGRATION
-            item["mujoco"] = np.empty(mujoco.mj_stateSize(u.model, kind))
-            mujoco.mj_getState(u.model, u.data, item["mujoco"], kind)
-        extra.append(item)
-    return pickle.dumps({"envs": envs.envs, "extra": extra})
-
-
-def restore_envs(blob: bytes) -> gym.vector.SyncVectorEnv:
-    """Inverse of `capture_envs`."""
-    import mujoco
-
-    saved = pickle.loads(blob)
-    for env, item in zip(saved["envs"], saved["extra"]):
-        env.unwrapped.np_random.bit_generator.state = item["np_random"]
-        if "mujoco" in item:
-            u = env.unwrapped
-            mujoco.mj_setState(u.model, u.data, item["mujoco"],
-                               mujoco.mjtState.mjSTATE_INTEGRATION)
-    return gym.vector.SyncVectorEnv([lambda e=e: e for e in saved["envs"]],
-                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def env_dims(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:
@@ -418,8 +321,8 @@ def env_dims(env_id: str) -> tuple[int, int, np.ndarray, np.ndarray]:
     return obs_dim, act_dim, low, high
 
 
-# ---------------------------------------------------------------------------------------
-# networks
+# =======================================================================================
+# Networks
 
 
 class Normalizer(nn.Module):
@@ -572,50 +475,42 @@ def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch
     return probs[lower, torch.arange(probs.shape[1], device=probs.device)]
 
 
-# ---------------------------------------------------------------------------------------
-# collector (a spawned subprocess: CPU only, one torch thread)
+# =======================================================================================
+# How a collector acts (an object of this class lives in each collector process: CPU, one
+# torch thread). common/collectors.py steps the envs and writes the replay buffer.
 
 
-def async_window_chunks(args: Args) -> int:
-    """Chunks past the learner's read position that async collectors may be writing: the
-    one in flight and the next; with several collectors, one more because they may drift
-    a chunk apart (see `_collect`)."""
-    return 1 if args.sync_mode != "async" else 2 if args.num_collectors == 1 else 3
+class Explorer:
+    """The actions of one collector's envs: uniform before --learning-starts, then the
+    policy's plus Gaussian noise whose std each env draws anew for every episode (the
+    actor's weights are loaded by the harness)."""
 
+    def __init__(self, args: Args, index: int, num_envs: int):
+        obs_dim, act_dim, self.low, self.high = env_dims(args.env)
+        self.actor = make_actor(args, obs_dim, act_dim, self.low, self.high)
+        self.args, self.shape = args, (num_envs, act_dim)
+        self.rng = np.random.default_rng(args.seed + 1 + 1000 * index)
+        self.gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * index)
+        self.noise_std = draw_noise_std(self.rng, args, num_envs)
 
-def weights_version_for(chunk: int, sync_mode: str) -> int:
-    """The weights version the collector acts with in `chunk` (see ARCHITECTURE.md).
+    def act(self, obs: np.ndarray, random: bool) -> np.ndarray:
+        if random:
+            return self.rng.uniform(self.low, self.high, size=self.shape).astype(np.float32)
+        return self.actor.act(torch.from_numpy(obs).float(), generator=self.gen,
+                              std=torch.from_numpy(self.noise_std)).numpy()
 
-    The learner publishes version 0 before training and version i+1 after iteration i.
-    """
-    return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
+    def episodes_ended(self, done: np.ndarray) -> None:
+        self.noise_std = redraw_noise_std(self.noise_std, done, self.rng, self.args)
 
+    def state(self) -> dict:
+        """What an exact resume needs besides the envs (saved in collector snapshots)."""
+        return {"rng": self.rng.bit_generator.state, "gen": self.gen.get_state(),
+                "noise_std": self.noise_std}
 
-def collector(args: Args, index: int, rb_spec: dict, ws_spec: dict, ctrl_spec: dict,
-              run_dir: str, start: dict | None = None) -> None:
-    """Collector `index`: step its slice of the envs for all chunks, writing transitions
-    into the replay buffer. `start` continues from a snapshot (see `_collect`) instead of
-    fresh episodes.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
-    torch.set_num_threads(1)
-    rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
-    ctrl = Control.attach(ctrl_spec, index)
-    parent = mp.parent_process()
-    try:
-        _collect(args, index, rb, ws, ctrl, parent, run_dir, start)
-        ctrl.state = FINISHED
-    except BaseException:
-        if parent is not None and not parent.is_alive():
-            # the learner died without cleaning up: the last one out removes the memory
-            for mem in (rb, ws, ctrl):
-                mem.unlink()
-        else:
-            ctrl.fail(traceback.format_exc())
-        raise SystemExit(1) from None
-    finally:
-        for mem in (rb, ws, ctrl):
-            mem.close()
+    def restore(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.gen.set_state(state["gen"])
+        self.noise_std = state["noise_std"]
 
 
 def draw_noise_std(rng: np.random.Generator, args: Args, n: int) -> np.ndarray:
@@ -631,132 +526,12 @@ def redraw_noise_std(noise_std: np.ndarray, done: np.ndarray, rng, args: Args) -
     return np.where(done[:, None], draw_noise_std(rng, args, len(done)), noise_std)
 
 
-class LearnerGone(Exception):
-    pass
-
-
-def collector_state_file(run_dir: str, index: int) -> str:
-    return os.path.join(run_dir, f".collector_state.{index}.pkl")
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write via a temporary file and rename, so `path` is never half-written."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
-def _collect(args, index, rb, ws, ctrl, parent, run_dir, start) -> None:
-    obs_dim, act_dim, low, high = env_dims(args.env)
-    actor = make_actor(args, obs_dim, act_dim, low, high)
-    mine = env_slice(args.num_envs, args.num_collectors, index)
-    n = mine.stop - mine.start
-    rng = np.random.default_rng(args.seed + 1 + 1000 * index)
-    gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * index)
-    if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
-        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
-        envs = make_env(args.env, n, args.env_backend, seed)
-        obs, _ = envs.reset(seed=[seed + i for i in range(n)])
-        ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
-        noise_std = draw_noise_std(rng, args, n)
-        first_chunk = (start or {}).get("chunk", 0)
-    else:  # continue exactly where a snapshot left off
-        envs = restore_envs(start["envs"])
-        obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
-        rng.bit_generator.state, first_chunk = start["rng"], start["chunk"]
-        gen.set_state(start["gen"])
-        noise_std = start["noise_std"]
-    loaded = -1
-    num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
-    for chunk in range(first_chunk, num_chunks):
-        step0 = chunk * args.steps_per_iter
-        random_actions = step0 * args.num_envs < args.learning_starts
-        t0 = time.perf_counter()
-        if args.sync_mode == "async":
-            want = None if not random_actions else loaded
-            # stay at most one chunk ahead of the slowest collector, so that the write
-            # window the learner keeps clear (async_window_chunks) holds every write
-            sleep = 1e-4
-            while ctrl.slowest() < chunk - 1:
-                if ctrl.stop:
-                    return
-                if parent is not None and not parent.is_alive():
-                    raise LearnerGone("learner process exited")
-                time.sleep(sleep)
-                sleep = min(sleep * 2, 0.002)
-        else:
-            want = weights_version_for(chunk, args.sync_mode)
-        if want is None or want > loaded:
-            data = None
-            sleep = 1e-4
-            while data is None:  # wait until the learner has published the version we need
-                if ctrl.stop:
-                    return
-                data = ws.read(want)
-                if data is None:
-                    if parent is not None and not parent.is_alive():
-                        raise LearnerGone("learner process exited")
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, 0.002)
-            t1 = time.perf_counter()
-            if data[0] != loaded and not random_actions:
-                ws.load_into(actor, data[1])
-            loaded = data[0]
-            ctrl.timing[WEIGHT_WAIT_S] += t1 - t0
-            ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
-        if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
-            # for a checkpoint: everything needed to collect this chunk and the rest
-            write_atomic(collector_state_file(run_dir, index), pickle.dumps(dict(
-                chunk=chunk, envs=capture_envs(envs), obs=obs, rng=rng.bit_generator.state,
-                gen=gen.get_state(), ep_return=ep_return, ep_length=ep_length,
-                noise_std=noise_std)))
-            ctrl.snapshot_done = ctrl.snapshot_req
-        t0 = time.perf_counter()
-        for s in range(args.steps_per_iter):
-            if random_actions:
-                action = rng.uniform(low, high, size=(n, act_dim)).astype(np.float32)
-            else:
-                action = actor.act(torch.from_numpy(obs).float(), generator=gen,
-                                   std=torch.from_numpy(noise_std)).numpy()
-            next_obs, reward, terminated, truncated, info = envs.step(action)
-            done = terminated | truncated
-            real_next = next_obs
-            if done.any():
-                # next_obs is already the reset observation; the transition must end at
-                # the true final one. Truncated episodes still bootstrap from it.
-                real_next = next_obs.copy()
-                for i in np.flatnonzero(info["_final_obs"]):
-                    real_next[i] = info["final_obs"][i]
-            rb.write(mine, step0 + s, obs, action, reward, real_next, terminated, done)
-            ep_return += reward
-            ep_length += 1
-            for i in np.flatnonzero(done):
-                ctrl.log_episode(ep_return[i], ep_length[i], (step0 + s + 1) * args.num_envs)
-                ep_return[i], ep_length[i] = 0.0, 0
-            noise_std = redraw_noise_std(noise_std, done, rng, args)
-            obs = next_obs
-        rb.commit(mine, step0 + args.steps_per_iter)
-        ctrl.chunks_done = chunk + 1
-        ctrl.timing[COLLECT_S] += time.perf_counter() - t0
-        if ctrl.stop:
-            return
-        if parent is not None and not parent.is_alive():
-            raise LearnerGone("learner process exited")
-    envs.close()
-
-
-# ---------------------------------------------------------------------------------------
-# learner
-
-
-class CollectorError(RuntimeError):
-    def __init__(self, text: str, index: int):
-        super().__init__(text)
-        self.index = index  # which collector
+# =======================================================================================
+# Learner: losses and the update rule
 
 
 class Learner:
-    """Networks, optimizers and the update rule. The main loop is in `train`."""
+    """Networks, optimizers and the update rule. The loop that feeds it is `train`."""
 
     def __init__(self, args: Args, obs_dim, act_dim, low, high, device):
         self.args, self.device = args, device
@@ -851,375 +626,300 @@ class Learner:
             out["actor_loss"] = torch.stack(actor_losses).mean()
         return out
 
-    def load_state_dict(self, state: dict) -> None:
-        self.actor.load_state_dict(state["actor"])
-        self.critics.load_state_dict(state["critics"])
-        self.critics_target.load_state_dict(state["critics_target"])
-        self.actor_opt.load_state_dict(state["actor_opt"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        self.num_updates = state["num_updates"]
-
     def all_finite(self) -> bool:
         tensors = [*self.actor.parameters(), *self.critics.parameters()]
         return all(bool(torch.isfinite(t).all()) for t in tensors)
 
+    SAVED = ("actor", "critics", "critics_target", "actor_opt", "critic_opt")
+
     def state_dict(self) -> dict:
-        return {
-            "actor": self.actor.state_dict(),
-            "critics": self.critics.state_dict(),
-            "critics_target": self.critics_target.state_dict(),
-            "actor_opt": self.actor_opt.state_dict(),
-            "critic_opt": self.critic_opt.state_dict(),
-            "num_updates": self.num_updates,
-        }
+        return {k: getattr(self, k).state_dict() for k in self.SAVED} | {
+            "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in self.SAVED:
+            getattr(self, k).load_state_dict(state[k])
+        self.num_updates = state["num_updates"]
 
 
-@torch.no_grad()
-def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, device) -> np.ndarray:
-    """Returns of `episodes` deterministic episodes, run side by side on a separate env."""
-    envs = gym.make_vec(env_id, num_envs=episodes, vectorization_mode="sync")
-    obs, _ = envs.reset(seed=[seed + 777_777 + i for i in range(episodes)])
-    returns, running = np.zeros(episodes), np.ones(episodes, dtype=bool)
-    while running.any():
-        action = actor.act(torch.as_tensor(obs, dtype=torch.float32, device=device), True)
-        obs, reward, terminated, truncated, _ = envs.step(action.cpu().numpy())
-        returns += reward * running
-        running &= ~(terminated | truncated)
-    envs.close()
-    return returns
-
-
-def record_video(actor: Actor, env_id: str, seed: int, device, path: str) -> str:
-    """Render one deterministic episode to `path`.mp4 (or .gif without imageio-ffmpeg)."""
-    import imageio.v2 as imageio
-
-    try:
-        env = gym.make(env_id, render_mode="rgb_array", width=256, height=256)
-    except TypeError:  # envs without a size option
-        env = gym.make(env_id, render_mode="rgb_array")
-    obs, _ = env.reset(seed=seed + 777_777)
-    frames, done = [env.render()], False
-    while not done:
-        action = actor.act(torch.as_tensor(obs[None], dtype=torch.float32, device=device), True)
-        obs, _, terminated, truncated, _ = env.step(action[0].cpu().numpy())
-        done = terminated or truncated
-        frames.append(env.render())
-    fps = env.metadata.get("render_fps") or 30
-    env.close()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        imageio.mimsave(path + ".mp4", frames, fps=fps)
-        return path + ".mp4"
-    except (ImportError, ValueError, RuntimeError):  # no ffmpeg plugin: an animated GIF
-        imageio.mimsave(path + ".gif", frames, duration=1000 / fps, loop=0)
-        return path + ".gif"
-
-
-def capture_video(actor: Actor, args: Args, device, run_dir: str, global_step: int) -> None:
-    """--capture-video at an evaluation; a rendering failure is reported, not fatal."""
-    try:
-        path = record_video(actor, args.env, args.seed, device,
-                            os.path.join(run_dir, "videos", f"step_{global_step}"))
-        print(f"video: {path}", flush=True)
-    except Exception as e:  # no OpenGL, no imageio, an env that cannot render
-        print(f"warning: --capture-video failed ({type(e).__name__}: {e}); set MUJOCO_GL=egl "
-              "or osmesa and pip install imageio", file=sys.stderr, flush=True)
-
-
-def wait_until(condition, procs: list[mp.Process], ctrl: Control) -> float:
-    """Sleep-poll `condition` while checking that the collectors are alive; returns seconds."""
-    t0, sleep = time.perf_counter(), 1e-4
-    while not condition():
-        check_collectors(procs, ctrl)
-        time.sleep(sleep)
-        sleep = min(sleep * 2, 0.001)
-    return time.perf_counter() - t0
-
-
-def check_collectors(procs: list[mp.Process], ctrl: Control) -> None:
-    """Raise CollectorError for the first collector that failed or exited unfinished."""
-    for i, proc in enumerate(procs):
-        row = ctrl.row(i)
-        if row.state == FAILED or (proc.exitcode is not None and row.state != FINISHED):
-            proc.join(1.0)
-            text = row.error_text()
-            who = "collector" if len(procs) == 1 else f"collector {i}"
-            raise CollectorError(f"{who} failed (exit code {proc.exitcode})"
-                                 + (f":\n{text}" if text else ""), i)
-
-
-def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
-
-
-class Sampler:
-    """Draws the learner's batches from the replay buffer and moves them to the device.
-
-    With --prefetch on CUDA the rows are gathered straight into pinned host memory and
-    copied without blocking; two sets of buffers alternate, so gathering the next batch
-    never overwrites one whose copy may still be in flight.
-    """
-
-    def __init__(self, args: Args, rb: ReplayBuffer, rng: np.random.Generator, device):
-        self.args, self.rb, self.rng, self.device = args, rb, rng, device
-        self.pinned = []
-        if args.prefetch and device.type == "cuda":
-            n, obs_dim, act_dim = (args.batch_size * args.updates_per_iter,
-                                   rb.obs.shape[-1], rb.actions.shape[-1])
-            shapes = {"obs": (n, obs_dim), "next_obs": (n, obs_dim), "actions": (n, act_dim),
-                      "rewards": (n,), "discounts": (n,)}
-            self.pinned = [{k: torch.empty(v, pin_memory=True) for k, v in shapes.items()}
-                           for _ in range(2)]
-        self.turn = 0
-
-    def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
-        args = self.args
-        out = None
-        if self.pinned:
-            buffers = self.pinned[self.turn]
-            self.turn ^= 1
-            out = {k: v.numpy() for k, v in buffers.items()}
-        batch = self.rb.sample(self.rng, args.batch_size * args.updates_per_iter, args.n_step,
-                               args.gamma, written, window, floor, out)
-        if self.pinned:
-            return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
-        return to_device(batch, self.device)
-
-
-def raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+# =======================================================================================
+# The training loop. Plumbing from here on: a new idea rarely needs a change below.
 
 
 def train(args: Args, resume: dict | None = None) -> int:
-    """Run one training job (continuing `resume`, a loaded checkpoint); returns the exit code."""
-    t_start = time.time()
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(args.learner_threads or default_learner_threads(args.num_collectors))
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    run_dir = args.run_dir or (f"runs/{args.env}__fast_td3__{args.seed}__"
-                               f"{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(run_dir, exist_ok=True)
+    """Run one training job (continuing `resume`, a loaded checkpoint); returns the exit code.
+
+    Each iteration: wait until the chunk the schedule names is collected, fold its
+    observations into the normalizer, train on a sample, publish the actor's weights, log,
+    and evaluate or save when due. See DESIGN.md for the schedule.
+    """
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(run_dir)
-    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    if args.track:
-        import wandb
-
-        wandb.init(project=args.wandb_project, config=vars(args), sync_tensorboard=True,
-                   name=os.path.basename(run_dir), dir=run_dir)
-
-    obs_dim, act_dim, low, high = env_dims(args.env)
-    learner = Learner(args, obs_dim, act_dim, low, high, device)
-    E, S = args.num_envs, args.steps_per_iter
-    num_chunks = math.ceil(args.total_timesteps / (E * S))
-    capacity = args.buffer_size // E
-    rb = ws = ctrl = None
-    procs: list[mp.Process] = []
-    status, exit_code, final_eval = "failed", 1, None
-    # what a checkpoint must carry besides the networks to continue the loop exactly;
-    # floor: env-local steps below it hold no data (after a resume without the replay)
-    loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0, restarts=0)
-    timers, t_first_update, t_last_update = dict(wait=0.0, learn=0.0, sync=0.0), None, None
-    progress = Progress(args, learner)
-
-    def checkpoint(name: str, collector_state: list[dict] | None) -> None:
-        """Save networks, optimizers, counters and RNG; with the collector's snapshot (and
-        the replay, with --save-replay) a resumed run continues exactly."""
-        if not learner.all_finite():
-            raise Diverged(f"non-finite parameters at env step {loop['global_step']}; "
-                           "the last good checkpoint is kept")
-        state = learner.state_dict() | {
-            "args": dataclasses.asdict(args), "script": "fast_td3", **loop,
-            "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-            "collector": collector_state, "replay": None}
-        if collector_state is not None and args.save_replay:
-            state["replay"] = name.removesuffix(".pt") + ".replay.npz"
-            rb.save(os.path.join(run_dir, state["replay"]), collector_state[0]["chunk"] * S)
-        save_checkpoint(run_dir, name, state)
-
+    run = Training(args)
+    status, exit_code = "failed", 1
     try:
-        rb = ReplayBuffer.create(E, capacity, obs_dim, act_dim)
-        ctrl = Control.create(args.num_collectors)
-        ws = WeightSync.create(make_actor(args, obs_dim, act_dim, low, high))
-        starts = [None] * args.num_collectors
-        if resume is not None:
-            starts = restore_learner(resume, learner, rng, loop, rb, ctrl, run_dir, S)
-        ws.publish(learner.actor, loop["version"])
-        for i, start in enumerate(starts):
-            procs.append(start_collector(args, i, rb, ws, ctrl, run_dir, start))
-
-        episodes_seen = [0] * args.num_collectors
-        sample, prefetched = Sampler(args, rb, rng, device), None
-        next_save = next_multiple(loop["global_step"], args.save_interval)
-        next_eval = next_multiple(loop["global_step"], args.eval_interval)
-        metrics = None
-        written = loop["normalized_upto"]
-        while True:
-            iteration = loop["iteration"]
-            try:
-                if args.sync_mode == "async":
-                    # free-running: train on whatever is complete; keep two chunks clear of
-                    # the collector's write position: it may finish one while we sample
-                    seen = written if written * E < args.learning_starts else 0
-                    timers["wait"] += wait_until(lambda: ctrl.slowest() * S > seen, procs, ctrl)
-                    chunks = ctrl.slowest()
-                    window = async_window_chunks(args) * S
-                else:
-                    # the schedule fixes which rows exist, so timing cannot change the result
-                    timers["wait"] += wait_until(lambda: ctrl.slowest() > iteration, procs,
-                                                 ctrl)
-                    chunks = iteration + 1
-                    window = S if args.sync_mode == "pipelined" and chunks < num_chunks else 0
-            except CollectorError as e:
-                if not args.restart_collector:
-                    raise
-                restart_collector(args, e, procs, rb, ws, ctrl, run_dir, loop, S)
-                continue
-            written = chunks * S
-            global_step = loop["global_step"] = written * E
-            done = chunks >= num_chunks
-            # a checkpoint holds the collector's state at the start of the chunk that needs
-            # the weights of this iteration, so it is asked for before they are published
-            # (async collectors drift apart, so with several there is no common snapshot)
-            snapshot_chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(
-                args.sync_mode, 0 if args.num_collectors == 1 else num_chunks)
-            if args.env_backend == "envpool":  # its envs cannot be saved
-                snapshot_chunk = num_chunks
-            save_now = global_step >= next_save and not done  # (model_final.pt at the end)
-            if save_now and snapshot_chunk < num_chunks:
-                ctrl.ask_snapshot(snapshot_chunk)
-            t0 = time.perf_counter()
-            if written > loop["normalized_upto"]:
-                first = max(loop["normalized_upto"], written - capacity, loop["floor"])
-                new_obs = torch.from_numpy(rb.rows(first, written)).to(device)
-                learner.actor.normalizer.update(new_obs)
-                loop["normalized_upto"] = written
-            if (global_step >= args.learning_starts
-                    and (written - loop["floor"]) * E >= args.learning_starts):
-                batch = prefetched or sample(written, window, loop["floor"])
-                metrics = learner.train_iteration(batch)  # on a GPU this returns at once
-                prefetched = None
-                if args.prefetch and args.sync_mode != "lockstep" and not done:
-                    # gather the next batch while the GPU trains (same rows and random
-                    # draws as gathering it at the next iteration; lockstep has no next
-                    # chunk before the weights are published)
-                    nxt, nxt_window = ctrl.slowest(), window  # async: whatever is complete
-                    if args.sync_mode == "pipelined":
-                        nxt, nxt_window = chunks + 1, S if chunks + 1 < num_chunks else 0
-                        with contextlib.suppress(CollectorError):  # (handled at the top)
-                            timers["wait"] += wait_until(lambda: ctrl.slowest() >= nxt, procs,
-                                                         ctrl)
-                    if ctrl.slowest() >= nxt:
-                        prefetched = sample(nxt * S, nxt_window, loop["floor"])
-                check_finite(metrics, global_step, learner.num_updates)
-                t_first_update, t_last_update = t_first_update or t0, time.perf_counter()
-            t1 = time.perf_counter()
-            loop["version"] += 1
-            ws.publish(learner.actor, loop["version"])
-            t2 = time.perf_counter()
-            timers["learn"] += t1 - t0
-            timers["sync"] += t2 - t1
-            loop["iteration"] += 1
-
-            episodes_seen, episodes = ctrl.all_episodes_since(episodes_seen)
-            for ret, length, step in episodes:
-                writer.add_scalar("charts/episodic_return", ret, int(step))
-                writer.add_scalar("charts/episodic_length", length, int(step))
-                progress.episode(ret)
-            if metrics is not None and (loop["iteration"] % 10 == 0 or done):
-                for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
-                    writer.add_scalar(f"losses/{k}", v, global_step)
-            if progress.due() or done:
-                elapsed = time.time() - t_start
-                writer.add_scalar("charts/SPS", int(global_step / elapsed), global_step)
-                writer.add_scalar("charts/update_to_data",
-                                  learner.num_updates / max(global_step, 1), global_step)
-                writer.add_scalar("perf/updates_per_sec", progress.updates_per_s(), global_step)
-                timing = ctrl.mean_timing()
-                writer.add_scalar("perf/collect_time", timing[COLLECT_S], global_step)
-                writer.add_scalar("perf/collector_weight_wait", timing[WEIGHT_WAIT_S],
-                                  global_step)
-                writer.add_scalar("perf/collector_weight_load", timing[WEIGHT_LOAD_S],
-                                  global_step)
-                for k, v in timers.items():
-                    writer.add_scalar(f"perf/{k}_time", v, global_step)
-                progress.show(global_step, elapsed)
-            if global_step >= next_eval and not done:
-                returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
-                writer.add_scalar("eval/episodic_return", returns.mean(), global_step)
-                if args.capture_video:
-                    capture_video(learner.actor, args, device, run_dir, global_step)
-                progress.say(f"eval at step {global_step:,}: return {returns.mean():.1f} "
-                             f"+- {returns.std():.1f}")
-                next_eval = next_multiple(global_step, args.eval_interval)
+        run.start(resume)
+        done = False
+        while not done:
+            chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written)
+            done = run.advance(chunks)
+            save_now = run.plan_checkpoint(chunks, done)
+            run.learn(chunks, window, done)
+            run.publish_weights()
+            run.log(done)
+            if run.loop["global_step"] >= run.next_eval and not done:
+                run.evaluate()
             if save_now:
-                collector_state = None
-                if snapshot_chunk < num_chunks:
-                    timers["wait"] += wait_until(ctrl.snapshots_taken, procs, ctrl)
-                    collector_state = []
-                    for i in range(args.num_collectors):
-                        with open(collector_state_file(run_dir, i), "rb") as f:
-                            collector_state.append(pickle.load(f))
-                checkpoint(f"checkpoint_{global_step}.pt", collector_state)
-                next_save = next_multiple(global_step, args.save_interval)
-            if done:
-                break
-        check_collectors(procs, ctrl)
-        progress.close()
-        returns = evaluate(learner.actor, args.env, args.eval_episodes, args.seed, device)
-        final_eval = float(returns.mean())
-        writer.add_scalar("eval/episodic_return", final_eval, loop["global_step"])
-        if args.capture_video:
-            capture_video(learner.actor, args, device, run_dir, loop["global_step"])
-        print(f"final eval: return {final_eval:.1f} +- {returns.std():.1f}", flush=True)
-        checkpoint("model_final.pt", None)
+                run.save_with_snapshot()
+        run.finish()
         status, exit_code = "completed", 0
     except KeyboardInterrupt:
         status, exit_code = "interrupted", 130
-        progress.close()
+        run.progress.close()
         print("interrupted: saving a checkpoint and stopping", file=sys.stderr, flush=True)
         with contextlib.suppress(Diverged):
-            checkpoint(f"checkpoint_{loop['global_step']}.pt", None)
+            run.checkpoint(f"checkpoint_{run.loop['global_step']}.pt", None)
     except CollectorError as e:
-        progress.close()
+        run.progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
     except Diverged as e:
         status = "diverged"
-        progress.close()
+        run.progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
     finally:
-        ctrl_timing = ctrl.mean_timing() if ctrl is not None else np.zeros(4)
-        stop_collectors(procs, ctrl)
-        for mem in (rb, ws, ctrl):
-            if mem is not None:
-                mem.close()
-                mem.unlink()
-        for i in range(args.num_collectors):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(collector_state_file(run_dir, i))
-        writer.close()
-    summary = {
-        "status": status, "env_id": args.env, "sync_mode": args.sync_mode,
-        "total_env_steps": loop["global_step"], "num_updates": learner.num_updates,
-        "iterations": loop["iteration"], "wall_time_s": round(time.time() - t_start, 2),
-        "final_eval_return": final_eval, "device": args.device, "seed": args.seed,
-        "collector_restarts": loop["restarts"],
-        "perf": perf_summary(timers, ctrl_timing, loop["global_step"], learner.num_updates,
-                             t_first_update, t_last_update),
-    }
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        run.close()
+    run.write_summary(status)
     return exit_code
+
+
+class Training:
+    """One run's parts (buffers, collectors, learner, outputs) and counters; `train` calls
+    these methods in the order of an iteration."""
+
+    def __init__(self, args: Args):
+        self.args, self.t_start = args, time.time()
+        self.device = torch.device(args.device)
+        if self.device.type == "cpu":
+            K = args.num_collectors
+            torch.set_num_threads(args.learner_threads or default_learner_threads(K))
+        torch.manual_seed(args.seed)
+        self.rng = np.random.default_rng(args.seed)
+        self.run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
+                                        f"{time.strftime('%Y%m%d-%H%M%S')}")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.writer = make_writer(args, self.run_dir)
+        self.dims = env_dims(args.env)
+        self.learner = Learner(args, *self.dims, self.device)
+        self.num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
+        self.capacity = args.buffer_size // args.num_envs
+        self.collectors = None
+        # what a checkpoint must carry besides the networks to continue the loop exactly;
+        # floor: env-local steps below it hold no data (after a resume without the replay)
+        self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0)
+        self.timers = dict(learn=0.0, sync=0.0)
+        self.t_first_update = self.t_last_update = self.metrics = self.prefetched = None
+        self.final_eval, self.ctrl_timing = None, np.zeros(4)
+        self.progress = Progress(args, self.learner)
+
+    def start(self, resume: dict | None) -> None:
+        """Create the shared memory, load `resume`, publish the first weights and start the
+        collectors."""
+        args, (obs_dim, act_dim, low, high) = self.args, self.dims
+        self.collectors = Collectors.create(SCRIPT, args, self.run_dir,
+                                            make_actor(args, obs_dim, act_dim, low, high),
+                                            obs_dim, act_dim)
+        self.rb, self.ws, self.ctrl = self.collectors.rb, self.collectors.ws, self.collectors.ctrl
+        starts = [None] * args.num_collectors
+        if resume is not None:
+            starts = restore(resume, self)
+        self.ws.publish(self.learner.actor, self.loop["version"])
+        self.collectors.start(make_env, Explorer, starts)
+        self.episodes_seen = [0] * args.num_collectors
+        self.sample = Sampler(self.rb, self.rng, self.device,
+                              args.batch_size * args.updates_per_iter, args.n_step,
+                              args.gamma, pinned=args.prefetch)
+        self.next_save = next_multiple(self.loop["global_step"], args.save_interval)
+        self.next_eval = next_multiple(self.loop["global_step"], args.eval_interval)
+        self.written = self.loop["normalized_upto"]
+
+    def advance(self, chunks: int) -> bool:
+        """Count the env steps collected; True when this is the last iteration."""
+        self.written = chunks * self.args.steps_per_iter
+        self.loop["global_step"] = self.written * self.args.num_envs
+        return chunks >= self.num_chunks
+
+    def plan_checkpoint(self, chunks: int, done: bool) -> bool:
+        """Whether this iteration ends with a checkpoint; if so, ask the collectors for a
+        snapshot now. It holds their state at the start of the chunk that needs this
+        iteration's weights, so it is asked for before they are published (async
+        collectors drift apart, so with several there is no common snapshot)."""
+        self.snapshot_chunk = self.collectors.snapshot_chunk(chunks)
+        save_now = self.loop["global_step"] >= self.next_save and not done  # (end: final)
+        if save_now and self.snapshot_chunk is not None:
+            self.collectors.ask_snapshot(self.snapshot_chunk)
+        return save_now
+
+    def learn(self, chunks: int, window: int, done: bool) -> None:
+        """Fold the new observations into the normalizer, then train on a sample."""
+        args, loop, learner = self.args, self.loop, self.learner
+        written, t0 = self.written, time.perf_counter()
+        if written > loop["normalized_upto"]:
+            first = max(loop["normalized_upto"], written - self.capacity, loop["floor"])
+            new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
+            learner.actor.normalizer.update(new_obs)
+            loop["normalized_upto"] = written
+        if (loop["global_step"] >= args.learning_starts
+                and (written - loop["floor"]) * args.num_envs >= args.learning_starts):
+            batch = self.prefetched or self.sample(written, window, loop["floor"])
+            self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
+            self.prefetched = None
+            if args.prefetch and args.sync_mode != "lockstep" and not done:
+                self.prefetch(chunks, window)
+            check_finite(self.metrics, loop["global_step"], learner.num_updates)
+            self.t_first_update = self.t_first_update or t0
+            self.t_last_update = time.perf_counter()
+        self.timers["learn"] += time.perf_counter() - t0
+
+    def prefetch(self, chunks: int, window: int) -> None:
+        """--prefetch: gather the next sample while the GPU trains, with the same rows and
+        random draws as gathering it at the next iteration (lockstep has no next chunk
+        before the weights are published)."""
+        ctrl, S = self.ctrl, self.args.steps_per_iter
+        nxt, nxt_window = ctrl.slowest(), window  # async: whatever is complete
+        if self.args.sync_mode == "pipelined":
+            nxt, nxt_window = chunks + 1, S if chunks + 1 < self.num_chunks else 0
+            with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
+                self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
+        if ctrl.slowest() >= nxt:
+            self.prefetched = self.sample(nxt * S, nxt_window, self.loop["floor"])
+
+    def publish_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.loop["version"] += 1
+        self.ws.publish(self.learner.actor, self.loop["version"])
+        self.timers["sync"] += time.perf_counter() - t0
+        self.loop["iteration"] += 1
+
+    def log(self, done: bool) -> None:
+        """Episodes as they finish, losses every 10 iterations, rates when progress is due."""
+        writer, step, learner = self.writer, self.loop["global_step"], self.learner
+        self.episodes_seen, episodes = self.ctrl.all_episodes_since(self.episodes_seen)
+        for ret, length, at in episodes:
+            writer.add_scalar("charts/episodic_return", ret, int(at))
+            writer.add_scalar("charts/episodic_length", length, int(at))
+            self.progress.episode(ret)
+        if self.metrics is not None and (self.loop["iteration"] % 10 == 0 or done):
+            for k, v in zip(self.metrics, torch.stack(list(self.metrics.values())).tolist()):
+                writer.add_scalar(f"losses/{k}", v, step)
+        if self.progress.due() or done:
+            elapsed = time.time() - self.t_start
+            writer.add_scalar("charts/SPS", int(step / elapsed), step)
+            writer.add_scalar("charts/update_to_data", learner.num_updates / max(step, 1), step)
+            writer.add_scalar("perf/updates_per_sec", self.progress.updates_per_s(), step)
+            timing = self.ctrl.mean_timing()
+            writer.add_scalar("perf/collect_time", timing[COLLECT_S], step)
+            writer.add_scalar("perf/collector_weight_wait", timing[WEIGHT_WAIT_S], step)
+            writer.add_scalar("perf/collector_weight_load", timing[WEIGHT_LOAD_S], step)
+            for k, v in self.all_timers().items():
+                writer.add_scalar(f"perf/{k}_time", v, step)
+            self.progress.show(step, elapsed)
+
+    def evaluate(self, final: bool = False) -> None:
+        """Deterministic episodes on a separate env (and a video with --capture-video)."""
+        args, step = self.args, self.loop["global_step"]
+        returns = evaluate(self.learner.actor, args.env, args.eval_episodes, args.seed,
+                           self.device)
+        self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
+        if args.capture_video:
+            record_video(self.learner.actor, args, self.device, self.run_dir, step)
+        if final:
+            self.final_eval = float(returns.mean())
+            print(f"final eval: return {self.final_eval:.1f} +- {returns.std():.1f}", flush=True)
+        else:
+            self.progress.say(f"eval at step {step:,}: return {returns.mean():.1f} "
+                              f"+- {returns.std():.1f}")
+            self.next_eval = next_multiple(step, args.eval_interval)
+
+    def save_with_snapshot(self) -> None:
+        """A periodic checkpoint, with the collectors' snapshot when one was asked for."""
+        collector_state = None
+        if self.snapshot_chunk is not None:
+            collector_state = self.collectors.snapshots()
+        self.checkpoint(f"checkpoint_{self.loop['global_step']}.pt", collector_state)
+        self.next_save = next_multiple(self.loop["global_step"], self.args.save_interval)
+
+    def checkpoint(self, name: str, collector_state: list[dict] | None) -> None:
+        """Save networks, optimizers, counters and RNG; with the collectors' snapshot (and
+        the replay, with --save-replay) a resumed run continues exactly."""
+        if not self.learner.all_finite():
+            raise Diverged(f"non-finite parameters at env step {self.loop['global_step']}; "
+                           "the last good checkpoint is kept")
+        state = self.learner.state_dict() | {
+            "args": dataclasses.asdict(self.args), "script": SCRIPT, **self.loop,
+            "restarts": self.collectors.restarts,
+            "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+            "collector": collector_state, "replay": None}
+        if collector_state is not None and self.args.save_replay:
+            state["replay"] = name.removesuffix(".pt") + ".replay.npz"
+            self.rb.save(os.path.join(self.run_dir, state["replay"]),
+                         collector_state[0]["chunk"] * self.args.steps_per_iter)
+        path = os.path.join(self.run_dir, name)  # (via a rename: never half-written)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def finish(self) -> None:
+        """After the last iteration: the final evaluation and model_final.pt."""
+        self.collectors.check()
+        self.progress.close()
+        self.evaluate(final=True)
+        self.checkpoint("model_final.pt", None)
+
+    def close(self) -> None:
+        """Stop the collectors first, then remove the shared memory."""
+        if self.collectors is not None:
+            self.ctrl_timing = self.ctrl.mean_timing()
+            self.collectors.close()
+        self.writer.close()
+
+    def write_summary(self, status: str) -> None:
+        loop, learner = self.loop, self.learner
+        summary = {
+            "status": status, "env_id": self.args.env, "sync_mode": self.args.sync_mode,
+            "total_env_steps": loop["global_step"], "num_updates": learner.num_updates,
+            "iterations": loop["iteration"], "wall_time_s": round(time.time() - self.t_start, 2),
+            "final_eval_return": self.final_eval, "device": self.args.device,
+            "seed": self.args.seed, "perf": self.perf(),
+            "collector_restarts": self.collectors.restarts if self.collectors else 0,
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+
+    def all_timers(self) -> dict:
+        """Seconds spent waiting for collectors, learning and publishing weights."""
+        return {"wait": self.collectors.wait_s if self.collectors else 0.0, **self.timers}
+
+    def perf(self) -> dict:
+        """Throughput figures for summary.json (rates over the time each part was busy)."""
+        collect_s, timers = float(self.ctrl_timing[COLLECT_S]), self.all_timers()
+        steps, updates = self.loop["global_step"], self.learner.num_updates
+        training_s = (self.t_last_update - self.t_first_update) if self.t_first_update else 0
+
+        def rate(n, seconds):
+            return round(n / seconds, 1) if seconds else None
+
+        return {"collect_s": round(collect_s, 3),
+                "collector_weight_wait_s": round(self.ctrl_timing[WEIGHT_WAIT_S], 3),
+                **{f"{k}_s": round(v, 3) for k, v in timers.items()},
+                "collector_steps_per_s": rate(steps, collect_s),
+                "learner_updates_per_s": rate(updates, timers["learn"]),
+                "updates_per_s_since_first_update": rate(updates, training_s)}
 
 
 class Diverged(RuntimeError):
     pass
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int) -> None:
@@ -1237,16 +937,35 @@ def next_multiple(step: int, interval: int) -> float:
     return (step // interval + 1) * interval if interval else math.inf
 
 
+# =======================================================================================
+# Logging and evaluation
+
+
+def make_writer(args: Args, run_dir: str):
+    """TensorBoard (and wandb with --track), with the arguments as a text table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_dir)
+    table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, config=vars(args), sync_tensorboard=True,
+                   name=os.path.basename(run_dir), dir=run_dir)
+    return writer
+
+
 class Progress:
     """A tqdm bar on a terminal, a line every --log-interval seconds otherwise; --quiet
     prints only evaluations and errors."""
 
     def __init__(self, args: Args, learner: Learner):
+        from tqdm import tqdm
+
         self.args, self.learner, self.recent = args, learner, []
         self.bar = None
         if not args.quiet and sys.stdout.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
         self.t_last, self.updates_last, self.step_last = time.perf_counter(), 0, 0
         self.interval = 0.5 if self.bar is not None else args.log_interval
@@ -1263,16 +982,15 @@ class Progress:
     def show(self, global_step: int, elapsed: float) -> None:
         now = time.perf_counter()
         sps = (global_step - self.step_last) / (now - self.t_last)
-        ups = self.updates_per_s()
+        ups, updates = self.updates_per_s(), self.learner.num_updates
         ret = f"{np.mean(self.recent):9.1f}" if self.recent else "      n/a"
         if self.bar is not None:
             self.bar.update(global_step - self.bar.n)
             self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
         elif not self.args.quiet:
-            print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | "
-                  f"updates/s {ups:6.1f} | updates {self.learner.num_updates:>8,} | "
-                  f"return {ret}", flush=True)
-        self.t_last, self.updates_last, self.step_last = now, self.learner.num_updates, global_step
+            print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | updates/s "
+                  f"{ups:6.1f} | updates {updates:>8,} | return {ret}", flush=True)
+        self.t_last, self.updates_last, self.step_last = now, updates, global_step
 
     def say(self, text: str) -> None:
         (self.bar.write if self.bar is not None else print)(text)
@@ -1283,94 +1001,50 @@ class Progress:
             self.bar = None
 
 
-def start_collector(args, index, rb, ws, ctrl, run_dir, start) -> mp.Process:
-    proc = mp.get_context("spawn").Process(
-        target=collector, args=(args, index, rb.spec, ws.spec, ctrl.spec, run_dir, start),
-        daemon=True, name=f"fast_td3-collector-{index}")
-    proc.start()
-    return proc
+@torch.no_grad()
+def evaluate(actor: Actor, env_id: str, episodes: int, seed: int, device) -> np.ndarray:
+    """Returns of `episodes` deterministic episodes, run side by side on a separate env."""
+    envs = gym.make_vec(env_id, num_envs=episodes, vectorization_mode="sync")
+    obs, _ = envs.reset(seed=[seed + 777_777 + i for i in range(episodes)])
+    returns, running = np.zeros(episodes), np.ones(episodes, dtype=bool)
+    while running.any():
+        action = actor.act(torch.as_tensor(obs, dtype=torch.float32, device=device), True)
+        obs, reward, terminated, truncated, _ = envs.step(action.cpu().numpy())
+        returns += reward * running
+        running &= ~(terminated | truncated)
+    envs.close()
+    return returns
 
 
-def restart_collector(args, error, procs, rb, ws, ctrl, run_dir, loop, S) -> None:
-    """--restart-collector: replace a dead collector with a fresh one at its next chunk."""
-    i, row = error.index, ctrl.row(error.index)
-    loop["restarts"] += 1
-    print(f"warning: {error}\nrestart #{loop['restarts']}: starting a new collector {i}",
-          file=sys.stderr, flush=True)
-    row.stop = True
-    stop_collector(procs[i])
-    chunk = row.chunks_done
-    if chunk > 0:  # the interrupted episodes end at the last complete row: no n-step sum
-        mine = env_slice(args.num_envs, args.num_collectors, i)  # crosses into the new ones
-        rb.dones[mine, (chunk * S - 1) % rb.capacity] = 1.0
-    row.stop, row.state = False, RUNNING
-    row.error[:] = 0
-    procs[i] = start_collector(args, i, rb, ws, ctrl, run_dir,
-                               {"chunk": chunk, "restart": loop["restarts"]})
+def record_video(actor: Actor, args: Args, device, run_dir: str, global_step: int) -> None:
+    """--capture-video: one deterministic episode to videos/step_N.mp4 (a GIF without
+    imageio-ffmpeg). A machine that cannot render gets a warning, not a failed run."""
+    import imageio.v2 as imageio
+
+    path = os.path.join(run_dir, "videos", f"step_{global_step}")
+    try:
+        env = gym.make(args.env, render_mode="rgb_array", width=256, height=256)
+        obs, _ = env.reset(seed=args.seed + 777_777)
+        frames, done = [env.render()], False
+        while not done:
+            x = torch.as_tensor(obs[None], dtype=torch.float32, device=device)
+            obs, _, terminated, truncated, _ = env.step(actor.act(x, True)[0].cpu().numpy())
+            frames.append(env.render())
+            done = terminated or truncated
+        fps = env.metadata.get("render_fps") or 30
+        env.close()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            imageio.mimsave(path + ".mp4", frames, fps=fps)
+        except (ImportError, ValueError, RuntimeError):  # no ffmpeg plugin: a GIF
+            imageio.mimsave(path + ".gif", frames, duration=1000 / fps, loop=0)
+    except Exception as e:  # no OpenGL, an env that cannot render
+        print(f"warning: --capture-video failed ({type(e).__name__}: {e}); set MUJOCO_GL=egl "
+              "or osmesa", file=sys.stderr, flush=True)
 
 
-def restore_learner(ckpt, learner, rng, loop, rb, ctrl, run_dir, S) -> list[dict]:
-    """Load a checkpoint into the learner and buffers; returns the collectors' starts."""
-    learner.load_state_dict(ckpt)
-    rng.bit_generator.state = ckpt["rng"]
-    torch.set_rng_state(ckpt["torch_rng"])
-    loop.update({k: ckpt[k] for k in loop if k in ckpt})
-    # without a snapshot, fresh episodes start at the chunk that uses the saved weights
-    first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
-    num = ctrl.num
-    starts = ckpt["collector"] or [{"chunk": first, "restart": loop["restarts"] + 1}] * num
-    chunk = starts[0]["chunk"]
-    if ckpt["replay"]:
-        loaded = rb.load(os.path.join(ckpt["dir"], ckpt["replay"]))
-        assert loaded == chunk * S, "replay file and collector snapshot disagree"
-    else:  # nothing below this chunk is in the buffer: refill before updating again
-        loop["floor"] = chunk * S
-        loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
-    rb.commit(slice(None), chunk * S)
-    ctrl.all_counters[:, CHUNKS_DONE] = chunk
-    return starts
-
-
-def perf_summary(timers, ctrl_timing, global_step, num_updates, t_first_update, t_last_update):
-    """Throughput figures for summary.json (rates over the time each part was busy)."""
-    collect_s = float(ctrl_timing[COLLECT_S])
-    training_s = (t_last_update - t_first_update) if t_first_update else 0.0
-    return {
-        "collect_s": round(collect_s, 3), "collector_weight_wait_s": round(ctrl_timing[1], 3),
-        **{f"{k}_s": round(v, 3) for k, v in timers.items()},
-        "collector_steps_per_s": round(global_step / collect_s, 1) if collect_s else None,
-        "learner_updates_per_s": (round(num_updates / timers["learn"], 1)
-                                  if timers["learn"] else None),
-        "updates_per_s_since_first_update": (round(num_updates / training_s, 1)
-                                             if training_s else None),
-    }
-
-
-def stop_collectors(procs: list[mp.Process], ctrl: Control | None) -> None:
-    """Ask every collector to stop, then insist: all must be gone before memory is unlinked."""
-    if ctrl is not None:
-        ctrl.stop_all()
-    for proc in procs:
-        stop_collector(proc)
-
-
-def stop_collector(proc: mp.Process) -> None:
-    """Wait for a collector that was asked to stop; terminate, then kill it if it lingers."""
-    proc.join(5.0)
-    if proc.exitcode is None:
-        proc.terminate()
-        proc.join(2.0)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-
-
-def save_checkpoint(run_dir: str, name: str, state: dict) -> str:
-    """torch.save via a temporary file and rename: a crash never leaves a half-written file."""
-    path = os.path.join(run_dir, name)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return path
+# =======================================================================================
+# Checkpoints and resume
 
 
 def find_checkpoint(path: str) -> str:
@@ -1388,6 +1062,19 @@ def find_checkpoint(path: str) -> str:
     return path
 
 
+def load_checkpoint(path: str) -> tuple[dict, Args]:
+    """A checkpoint written by this script, and its arguments."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ArgsError(f"cannot read checkpoint {path}: {e}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
+        raise ArgsError(f"{path} was not written by {SCRIPT}.py "
+                        f"(script: {ckpt.get('script') if isinstance(ckpt, dict) else '?'})")
+    known = {f.name for f in dataclasses.fields(Args)}  # (flags removed since are dropped)
+    return ckpt, Args(**{k: v for k, v in ckpt["args"].items() if k in known})
+
+
 # fields that must match between a checkpoint and the run that continues it
 RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_iter",
                 "actor_hidden", "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min",
@@ -1398,14 +1085,8 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
     """The checkpoint named by --resume and the arguments to continue it with: the saved
     ones, overridden by flags given now that differ from the defaults."""
     path = find_checkpoint(args.resume)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ArgsError(f"cannot read checkpoint {path}: {e}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("script") != "fast_td3":
-        raise ArgsError(f"{path} was not written by fast_td3.py "
-                        f"(script: {ckpt.get('script') if isinstance(ckpt, dict) else '?'})")
-    saved, defaults = ckpt["args"], vars(Args())
+    ckpt, saved_args = load_checkpoint(path)
+    saved, defaults = vars(saved_args), vars(Args())
     given = {k: v for k, v in vars(args).items() if v != defaults[k]}
     for key in RESUME_FIXED:
         if key in given and key != "env" and given[key] != saved[key]:
@@ -1419,13 +1100,29 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
     return merged, ckpt
 
 
+def restore(ckpt: dict, run: Training) -> list[dict]:
+    """Load a checkpoint into the learner and the buffers; returns the collectors' starts."""
+    run.learner.load_state_dict(ckpt)
+    run.rng.bit_generator.state = ckpt["rng"]
+    torch.set_rng_state(ckpt["torch_rng"])
+    loop, S = run.loop, run.args.steps_per_iter
+    loop.update({k: ckpt[k] for k in loop if k in ckpt})
+    run.collectors.restarts = ckpt["restarts"]
+    # without a snapshot, fresh episodes start at the chunk that uses the saved weights
+    first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
+    starts = ckpt["collector"] or [{"chunk": first, "restart": ckpt["restarts"] + 1}] * run.ctrl.num
+    chunk = starts[0]["chunk"]
+    if not ckpt["replay"]:  # nothing below this chunk is in the buffer: refill first
+        loop["floor"] = chunk * S
+        loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
+    run.collectors.resume_at(chunk, ckpt["replay"] and os.path.join(ckpt["dir"], ckpt["replay"]))
+    return starts
+
+
 def evaluate_checkpoint(args: Args) -> int:
     """--eval-only: mean and std of the return of a saved policy."""
     path = find_checkpoint(args.checkpoint)
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt.get("script") != "fast_td3":
-        raise ArgsError(f"{path} was not written by fast_td3.py")
-    saved = Args(**ckpt["args"])
+    ckpt, saved = load_checkpoint(path)
     obs_dim, act_dim, low, high = env_dims(saved.env)
     actor = make_actor(saved, obs_dim, act_dim, low, high)
     actor.load_state_dict(ckpt["actor"])
