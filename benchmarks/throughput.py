@@ -21,8 +21,6 @@ learner_efficiency: updates/s of the learner inside the run (wall time from its 
 overlap: training-phase throughput of a pipelined run over a lockstep run (default threads),
   with --updates-per-iter chosen so that learning an iteration takes about as long as
   collecting one (calibrated from the default runs). The limit is 2.
-envpool_over_gymnasium: bare env steps/s of --env-backend envpool (one thread) over gymnasium's,
-  when envpool is installed.
 collector_scaling[K]: env steps/s of K real collector processes (4 envs each, acting with the
   policy, async mode, no learner) over K times one collector's, for K = 1 .. cores.
 Each figure is the median of --repeats runs. Prints a table and writes JSON.
@@ -45,8 +43,9 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fast_sac  # noqa: E402
-from common.control import CHUNKS_DONE, FINISHED, Control  # noqa: E402
-from common.replay import ReplayBuffer  # noqa: E402
+from common.collectors import Collectors  # noqa: E402
+from common.control import CHUNKS_DONE, FINISHED  # noqa: E402
+from common.replay import ReplayBuffer, to_device  # noqa: E402
 from common.weights import WeightSync  # noqa: E402
 
 
@@ -66,12 +65,11 @@ class Bench:
     """largest K for collector_scaling (default: the cores)"""
 
 
-def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float,
-                         backend: str = "gymnasium", actor=None) -> float:
+def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float, actor=None) -> float:
     """One process stepping a vector env with random actions (or `actor`'s, acting
     included)."""
     torch.set_num_threads(1)  # as a collector does
-    envs = fast_sac.make_env(env_id, num_envs, backend)
+    envs = fast_sac.make_env(env_id, num_envs)
     obs, _ = envs.reset(seed=0)
     rng = np.random.default_rng(0)
     low, high = envs.single_action_space.low, envs.single_action_space.high
@@ -117,7 +115,7 @@ def isolated_updates_per_s(env_id: str, iterations: int, threads: int) -> float:
 
         def iteration(version):
             batch = rb.sample(rng, n, args.n_step, args.gamma, filled, args.steps_per_iter)
-            learner.train_iteration(fast_sac.to_device(batch, "cpu"))
+            learner.train_iteration(to_device(batch, "cpu"))
             ws.publish(learner.actor, version)
 
         iteration(0)
@@ -137,24 +135,20 @@ def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collec
         env=env_id, device="cpu", num_envs=k * envs_each, num_collectors=k, sync_mode="async",
         learning_starts=0, total_timesteps=total_per_collector * k, buffer_size=200_000 * k))
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
-    rb = ReplayBuffer.create(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
-    ctrl = Control.create(k)
-    ws = WeightSync.create(fast_sac.make_actor(args, obs_dim, act_dim, low, high))
-    procs = []
+    collectors = Collectors.create("throughput", args, run_dir,
+                                   fast_sac.make_actor(args, obs_dim, act_dim, low, high),
+                                   obs_dim, act_dim)
+    ctrl = collectors.ctrl
     try:
-        ws.publish(fast_sac.make_actor(args, obs_dim, act_dim, low, high), 0)
-        procs = [fast_sac.start_collector(args, i, rb, ws, ctrl, run_dir, None) for i in range(k)]
-        fast_sac.wait_until(lambda: ctrl.slowest() >= 1, procs, ctrl)
+        collectors.ws.publish(fast_sac.make_actor(args, obs_dim, act_dim, low, high), 0)
+        collectors.start(fast_sac.make_env, fast_sac.Explorer, [None] * k)
+        collectors.wait_until(lambda: ctrl.slowest() >= 1)
         t0, first = time.perf_counter(), int(ctrl.all_counters[:, CHUNKS_DONE].sum())
-        fast_sac.wait_until(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)),
-                            procs, ctrl)
+        collectors.wait_until(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)))
         chunks = int(ctrl.all_counters[:, CHUNKS_DONE].sum()) - first
         return chunks * envs_each * args.steps_per_iter / (time.perf_counter() - t0)
     finally:
-        fast_sac.stop_collectors(procs, ctrl)
-        for mem in (rb, ws, ctrl):
-            mem.close()
-            mem.unlink()
+        collectors.close()
 
 
 def main(b: Bench) -> None:
@@ -168,12 +162,6 @@ def main(b: Bench) -> None:
     rows: dict[str, list[float]] = {"bare_env_steps_per_s": [], "bare_policy_env_steps_per_s": []}
     obs_dim, act_dim, low, high = fast_sac.env_dims(env_id)
     actor = fast_sac.make_actor(args, obs_dim, act_dim, low, high)
-    try:
-        import envpool  # noqa: F401
-
-        rows["bare_envpool_steps_per_s"] = []
-    except ImportError:
-        pass
     for name in threads:
         for key in ("collector_steps_per_s", "run_updates_per_s", "isolated_updates_per_s",
                     "collect_s_per_iter"):
@@ -201,9 +189,6 @@ def main(b: Bench) -> None:
             rows["collector_alone_steps_per_s"].append(collectors_steps_per_s(
                 env_id, 1, args.num_envs, args.num_envs * args.steps_per_iter
                 * (40 if b.quick else 150), run_dir))
-        if "bare_envpool_steps_per_s" in rows:
-            rows["bare_envpool_steps_per_s"].append(
-                bare_env_steps_per_s(env_id, args.num_envs, seconds, "envpool"))
         for name, n in threads.items():
             s = full_run(env_id, total, starts, "--learner-threads", str(n))
             perf = s["perf"]
@@ -249,8 +234,6 @@ def main(b: Bench) -> None:
         **{f"learner_efficiency/{name}": med[f"{name}/run_updates_per_s"]
            / med[f"{name}/isolated_updates_per_s"] for name in threads},
         "overlap": med["overlap/pipelined_updates_per_s"] / med["overlap/lockstep_updates_per_s"],
-        "envpool_over_gymnasium": (med["bare_envpool_steps_per_s"] / med["bare_env_steps_per_s"]
-                                   if "bare_envpool_steps_per_s" in med else None),
         "collector_scaling": scaling,
     }
     print(f"{env_id}, {cores} cores, learner threads {threads}, {repeats} repeat(s); "
@@ -259,7 +242,7 @@ def main(b: Bench) -> None:
     for k, v in rows.items():
         print(f"{k:40s} {med[k]:10.3f}   {', '.join(f'{x:.3f}' for x in v)}")
     for key, value in result.items():
-        if key.startswith(("collector_", "learner_", "overlap", "envpool_")) and value and \
+        if key.startswith(("collector_", "learner_", "overlap")) and value and \
                 not isinstance(value, dict):
             print(f"{key:40s} {value:10.3f}")
     for k, v in result["collector_scaling"].items():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fast_sac as fs
+from common.collectors import collector_main, env_slice
 from common.control import FINISHED, Control
 from common.replay import ReplayBuffer
 from common.weights import WeightSync
@@ -120,9 +121,9 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, tm
     ctrl = Control.create()
     actor = fs.Actor(obs_dim, act_dim, 32, low, high, -5.0, 1.0)
     ws = WeightSync.create(actor)
-    proc = mp.get_context("spawn").Process(target=fs.collector,
-                                           args=(args, 0, rb.spec, ws.spec, ctrl.spec,
-                                                 str(tmp_path)))
+    proc = mp.get_context("spawn").Process(target=collector_main,
+                                           args=(fs.make_env, fs.Explorer, args, 0, rb.spec,
+                                                 ws.spec, ctrl.spec, str(tmp_path)))
     try:
         proc.start()
         for version in range(8):  # lockstep: one version per chunk
@@ -176,7 +177,7 @@ def test_target_update_keeps_targets_out_of_autograd():
 def test_env_slices_partition_the_envs():
     for num_envs in (1, 5, 8, 32):
         for k in range(1, num_envs + 1):
-            slices = [fs.env_slice(num_envs, k, i) for i in range(k)]
+            slices = [env_slice(num_envs, k, i) for i in range(k)]
             envs = [e for s in slices for e in range(num_envs)[s]]
             assert envs == list(range(num_envs))  # disjoint, in order, none missing
             sizes = [s.stop - s.start for s in slices]
