@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import glob
 import importlib.util
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -127,8 +129,12 @@ class Args:
     log_interval: float = 10.0
     """seconds between console progress lines"""
     resume: str | None = None
-    """continue a run: its run dir (newest checkpoint) or a checkpoint file. The saved
-    arguments are used, except flags given now"""
+    """continue a run: its run dir (newest complete checkpoint) or a checkpoint file; auto:
+    --run-dir's newest complete checkpoint if it has one, else a fresh start (safe to re-run
+    after any failure). The saved arguments are used, except flags given now"""
+    keep_checkpoints: int = 2
+    """checkpoint_*.pt files kept (with their replay files); older ones are removed once a
+    newer one is complete. model_final.pt is always kept"""
     save_replay: bool = False
     """store the replay buffer with each checkpoint, so that a resumed run continues exactly
     (in lockstep and pipelined modes: the same final parameters as an uninterrupted run)"""
@@ -238,7 +244,7 @@ def resolve_args(args: Args) -> Args:
 
     for field in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "steps_per_iter",
                   "updates_per_iter", "actor_hidden", "critic_hidden", "policy_frequency",
-                  "n_step", "num_atoms", "eval_episodes"):
+                  "n_step", "num_atoms", "eval_episodes", "keep_checkpoints"):
         if getattr(args, field) <= 0:
             raise ArgsError(f"--{field.replace('_', '-')} must be positive, "
                             f"got {getattr(args, field)}")
@@ -286,11 +292,21 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"{env_id} must have a flat Box observation space, got {obs_space}")
     if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
         raise ArgsError(f"{env_id} has unbounded actions; {SCRIPT} squashes into finite bounds")
+    nbytes = ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0], space.shape[0])
     try:  # a default Docker container has only 64 MiB of /dev/shm
-        check_shm_space(ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0],
-                                            space.shape[0]), "The replay buffer")
+        check_shm_space(nbytes, "The replay buffer")
     except MemoryError as e:
         raise ArgsError(str(e)) from None
+    if args.save_replay and args.save_interval:  # the kept files and the one being written
+        where = Path(args.run_dir or "runs").absolute()
+        while not where.exists():
+            where = where.parent
+        need, free = (args.keep_checkpoints + 1) * nbytes, shutil.disk_usage(where).free
+        if need > free:
+            raise ArgsError(f"--save-replay with --keep-checkpoints {args.keep_checkpoints} "
+                            f"needs {need / 2**30:.1f} GiB of disk for replay files but {where} "
+                            f"has {free / 2**30:.1f} GiB free; lower --buffer-size or "
+                            "--keep-checkpoints, or free disk space")
     return args
 
 
@@ -652,7 +668,7 @@ def train(args: Args, resume: dict | None = None) -> int:
     observations into the normalizer, train on a sample, publish the actor's weights, log,
     and evaluate or save when due. See DESIGN.md for the schedule.
     """
-    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    stop = StopRequest()
     run = Training(args)
     status, exit_code = "failed", 1
     try:
@@ -661,22 +677,28 @@ def train(args: Args, resume: dict | None = None) -> int:
         while not done:
             chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written)
             done = run.advance(chunks)
-            save_now = run.plan_checkpoint(chunks, done)
+            stopping = stop.signum is not None and not done  # (a signal arrived)
+            save_now = run.plan_checkpoint(chunks, done, stopping)
             run.learn(chunks, window, done)
             run.publish_weights()
             run.log(done)
-            if run.loop["global_step"] >= run.next_eval and not done:
+            if run.loop["global_step"] >= run.next_eval and not (done or stopping):
                 run.evaluate()
             if save_now:
-                run.save_with_snapshot()
+                name = run.save_with_snapshot()
+            if stopping:
+                raise Interrupted(f"{name} written {time.perf_counter() - stop.t:.1f} s after "
+                                  f"signal {stop.signum}")
         run.finish()
         status, exit_code = "completed", 0
-    except KeyboardInterrupt:
+    except Interrupted as e:
         status, exit_code = "interrupted", 130
         run.progress.close()
-        print("interrupted: saving a checkpoint and stopping", file=sys.stderr, flush=True)
-        with contextlib.suppress(Diverged):
-            run.checkpoint(f"checkpoint_{run.loop['global_step']}.pt", None)
+        print(f"interrupted: {e}; stopping", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # a second signal: stop now, the newest checkpoint stays
+        status, exit_code = "interrupted", 130
+        run.progress.close()
+        print("interrupted again: stopping without a checkpoint", file=sys.stderr, flush=True)
     except CollectorError as e:
         run.progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -746,13 +768,13 @@ class Training:
         self.loop["global_step"] = self.written * self.args.num_envs
         return chunks >= self.num_chunks
 
-    def plan_checkpoint(self, chunks: int, done: bool) -> bool:
+    def plan_checkpoint(self, chunks: int, done: bool, stopping: bool) -> bool:
         """Whether this iteration ends with a checkpoint; if so, ask the collectors for a
         snapshot now. It holds their state at the start of the chunk that needs this
         iteration's weights, so it is asked for before they are published (async
         collectors drift apart, so with several there is no common snapshot)."""
         self.snapshot_chunk = self.collectors.snapshot_chunk(chunks)
-        save_now = self.loop["global_step"] >= self.next_save and not done  # (end: final)
+        save_now = (self.loop["global_step"] >= self.next_save or stopping) and not done
         if save_now and self.snapshot_chunk is not None:
             self.collectors.ask_snapshot(self.snapshot_chunk)
         return save_now
@@ -838,13 +860,14 @@ class Training:
                               f"+- {returns.std():.1f}")
             self.next_eval = next_multiple(step, args.eval_interval)
 
-    def save_with_snapshot(self) -> None:
-        """A periodic checkpoint, with the collectors' snapshot when one was asked for."""
-        collector_state = None
+    def save_with_snapshot(self) -> str:
+        """A checkpoint, with the collectors' snapshot when one was asked for; its name."""
+        name, collector_state = f"checkpoint_{self.loop['global_step']}.pt", None
         if self.snapshot_chunk is not None:
             collector_state = self.collectors.snapshots()
-        self.checkpoint(f"checkpoint_{self.loop['global_step']}.pt", collector_state)
+        self.checkpoint(name, collector_state)
         self.next_save = next_multiple(self.loop["global_step"], self.args.save_interval)
+        return name
 
     def checkpoint(self, name: str, collector_state: list[dict] | None) -> None:
         """Save networks, optimizers, counters and RNG; with the collectors' snapshot (and
@@ -864,6 +887,10 @@ class Training:
         path = os.path.join(self.run_dir, name)  # (via a rename: never half-written)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
+        for step in checkpoint_steps(self.run_dir)[:-self.args.keep_checkpoints]:
+            for old in (f"checkpoint_{step}.pt", f"checkpoint_{step}.replay.npz"):
+                with contextlib.suppress(FileNotFoundError):  # (the .pt first: a crash
+                    os.remove(os.path.join(self.run_dir, old))  # never leaves it orphaned)
 
     def finish(self) -> None:
         """After the last iteration: the final evaluation and model_final.pt."""
@@ -877,6 +904,8 @@ class Training:
         if self.collectors is not None:
             self.ctrl_timing = self.ctrl.mean_timing()
             self.collectors.close()
+        for tmp in glob.glob(os.path.join(self.run_dir, "*.tmp")):  # cut off by a 2nd signal
+            os.remove(tmp)
         self.writer.close()
 
     def write_summary(self, status: str) -> None:
@@ -917,8 +946,23 @@ class Diverged(RuntimeError):
     pass
 
 
-def raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+class StopRequest:
+    """SIGINT and SIGTERM: the first asks for a stop after a complete checkpoint at the next
+    iteration (see `train`); a second one aborts at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.signum, self.t = None, 0.0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second signal {signum}")
+        self.signum, self.t = signum, time.perf_counter()
+
+
+class Interrupted(Exception):
+    """Stopped by a signal after the checkpoint it asked for."""
 
 
 def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int) -> None:
@@ -1046,19 +1090,28 @@ def record_video(actor: Actor, args: Args, device, run_dir: str, global_step: in
 # Checkpoints and resume
 
 
-def find_checkpoint(path: str) -> str:
-    """`path` itself, or the newest checkpoint in the run dir `path`."""
-    if os.path.isdir(path):
-        found = [f for f in os.listdir(path) if re.fullmatch(r"checkpoint_\d+\.pt", f)]
-        if not found:
-            final = os.path.join(path, "model_final.pt")
-            if os.path.exists(final):
-                return final
-            raise ArgsError(f"no checkpoint_*.pt or model_final.pt in {path}")
-        return os.path.join(path, max(found, key=lambda f: int(re.findall(r"\d+", f)[0])))
-    if not os.path.isfile(path):
-        raise ArgsError(f"checkpoint {path} does not exist")
-    return path
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The env steps of the checkpoint_*.pt files in `run_dir`, oldest first."""
+    names = (re.fullmatch(r"checkpoint_(\d+)\.pt", f) for f in os.listdir(run_dir))
+    return sorted(int(m.group(1)) for m in names if m)
+
+
+def find_checkpoint(path: str) -> tuple[str, dict, Args]:
+    """The checkpoint `path`, or the newest complete one in the run dir `path` (it loads,
+    and its replay file, when it names one, is whole; others are skipped with a warning),
+    with its arguments. Newest means written last (model_final.pt too)."""
+    if not os.path.isdir(path):
+        if not os.path.isfile(path):
+            raise ArgsError(f"checkpoint {path} does not exist")
+        return path, *load_checkpoint(path)
+    names = [f"checkpoint_{s}.pt" for s in checkpoint_steps(path)] + ["model_final.pt"]
+    files = [os.path.join(path, n) for n in names if os.path.exists(os.path.join(path, n))]
+    for file in sorted(files, key=os.path.getmtime, reverse=True):
+        try:
+            return file, *load_checkpoint(file)
+        except ArgsError as e:
+            print(f"warning: skipping {file}: {e}", file=sys.stderr, flush=True)
+    raise ArgsError(f"no complete checkpoint_*.pt or model_final.pt in {path}")
 
 
 def load_checkpoint(path: str) -> tuple[dict, Args]:
@@ -1070,6 +1123,9 @@ def load_checkpoint(path: str) -> tuple[dict, Args]:
     if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
         raise ArgsError(f"{path} was not written by {SCRIPT}.py "
                         f"(script: {ckpt.get('script') if isinstance(ckpt, dict) else '?'})")
+    replay = ckpt["replay"] and os.path.join(os.path.dirname(path), ckpt["replay"])
+    if replay and not ReplayBuffer.file_is_whole(replay):
+        raise ArgsError(f"its replay file {replay} is missing or cut off")
     known = {f.name for f in dataclasses.fields(Args)}  # (flags removed since are dropped)
     return ckpt, Args(**{k: v for k, v in ckpt["args"].items() if k in known})
 
@@ -1082,9 +1138,20 @@ RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_i
 
 def load_for_resume(args: Args) -> tuple[Args, dict]:
     """The checkpoint named by --resume and the arguments to continue it with: the saved
-    ones, overridden by flags given now that differ from the defaults."""
-    path = find_checkpoint(args.resume)
-    ckpt, saved_args = load_checkpoint(path)
+    ones, overridden by flags given now that differ from the defaults. No checkpoint (None)
+    with --resume auto and a --run-dir that has no complete one."""
+    auto = args.resume == "auto"
+    if auto and not args.run_dir:
+        raise ArgsError("--resume auto needs --run-dir: the run to continue or to start")
+    if auto and not os.path.isdir(args.run_dir):
+        return dataclasses.replace(args, resume=None), None
+    try:
+        path, ckpt, saved_args = find_checkpoint(args.run_dir if auto else args.resume)
+    except ArgsError as e:
+        if not auto:
+            raise
+        print(f"--resume auto: starting fresh ({e})", file=sys.stderr, flush=True)
+        return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
     given = {k: v for k, v in vars(args).items() if v != defaults[k]}
     for key in RESUME_FIXED:
@@ -1095,7 +1162,7 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         raise ArgsError(f"{path} was trained on {saved['env']}, not {given['env']}")
     merged = Args(**(saved | given | {"resume": args.resume}))
     merged.run_dir = merged.run_dir or os.path.dirname(path)
-    ckpt["dir"] = os.path.dirname(path)
+    ckpt["dir"], ckpt["path"] = os.path.dirname(path), path
     return merged, ckpt
 
 
@@ -1111,6 +1178,7 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
     first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
     starts = ckpt["collector"] or [{"chunk": first, "restart": ckpt["restarts"] + 1}] * run.ctrl.num
     chunk = starts[0]["chunk"]
+    print(f"resuming {ckpt['path']} at env step {loop['global_step']:,}", flush=True)
     if not ckpt["replay"]:  # nothing below this chunk is in the buffer: refill first
         loop["floor"] = chunk * S
         loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
@@ -1120,8 +1188,7 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
 
 def evaluate_checkpoint(args: Args) -> int:
     """--eval-only: mean and std of the return of a saved policy."""
-    path = find_checkpoint(args.checkpoint)
-    ckpt, saved = load_checkpoint(path)
+    path, ckpt, saved = find_checkpoint(args.checkpoint)
     obs_dim, act_dim, low, high = env_dims(saved.env)
     actor = make_actor(saved, obs_dim, act_dim, low, high)
     actor.load_state_dict(ckpt["actor"])
@@ -1145,6 +1212,10 @@ def main(argv=None) -> int:
         resume = None
         if args.resume:
             args, resume = load_for_resume(args)
+        if resume is not None and resume["global_step"] >= args.total_timesteps:
+            print(f"the checkpoint has {resume['global_step']:,} env steps already "
+                  f"(--total-timesteps {args.total_timesteps:,}): nothing to do")
+            return 0
         args = resolve_args(args)
     except ArgsError as e:
         print(f"error: {e}", file=sys.stderr)

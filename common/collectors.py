@@ -40,6 +40,7 @@ from common.control import (
     COLLECT_S,
     FAILED,
     FINISHED,
+    LEARNER_PID,
     RUNNING,
     WEIGHT_LOAD_S,
     WEIGHT_WAIT_S,
@@ -281,6 +282,7 @@ class Collectors:
                                             obs_dim, act_dim))
             made.append(WeightSync.create(actor))
             made.append(Control.create(args.num_collectors))
+            made[-1].all_counters[:, LEARNER_PID] = os.getpid()
         except BaseException:
             for mem in made:
                 mem.close()
@@ -324,7 +326,10 @@ class Collectors:
         self.ctrl.all_counters[:, CHUNKS_DONE] = chunk
 
     def check(self) -> None:
-        """Raise CollectorError for the first collector that failed or exited unfinished."""
+        """Raise CollectorError for the first collector that failed or exited unfinished
+        (or, on a rank that attached, when the rank that owns the buffers is gone)."""
+        if not self.owner and not _alive(int(self.ctrl.all_counters[0, LEARNER_PID])):
+            raise CollectorError("the rank that owns this node's collectors exited", 0)
         for i, proc in enumerate(self.procs):
             row = self.ctrl.row(i)
             if row.state == FAILED or (proc.exitcode is not None and row.state != FINISHED):
@@ -430,6 +435,16 @@ class Collectors:
                 mem.close()
                 if self.owner:
                     mem.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _stop(proc: mp.Process) -> None:

@@ -19,6 +19,7 @@ ERROR_BYTES = 16384
 COLLECT_S, WEIGHT_WAIT_S, WEIGHT_LOAD_S = 0, 1, 2
 # indices into a row of the int64 "counters" array
 CHUNKS_DONE, STOP, STATE, EPISODES, SNAPSHOT_REQ, SNAPSHOT_DONE, SNAPSHOT_CHUNK = range(7)
+LEARNER_PID = 7  # (the same in every row) the learner that created the block
 
 
 def _specs(num: int) -> dict:

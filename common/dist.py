@@ -69,8 +69,17 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) 
                                f"{torch.cuda.device_count()} visible; lower --nproc_per_node")
         torch.cuda.set_device(local_rank)
     dev = f"cuda:{local_rank}" if cuda else "cpu"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives a restart (--max-restarts), and keys that an earlier
+        # attempt left there (gloo's peer addresses, share_with_node's names) would be read
+        # as if new: every attempt gets keys of its own
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"fastrl/attempt{attempt}", agent)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
     return DistInfo(rank, world, local_rank, local_world, node_rank, num_nodes, backend, dev)
 
 
@@ -114,6 +123,11 @@ def allreduce_sum_(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.distributed:
         dist.all_reduce(tensor)
     return tensor
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank if `flag` is True on any (ranks use it to agree to stop)."""
+    return allreduce_min(0 if flag else 1, info) == 0
 
 
 def allreduce_min(value: int, info: DistInfo) -> int:

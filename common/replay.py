@@ -17,6 +17,7 @@ the learner and moves sampled batches to the learner's device.
 from __future__ import annotations
 
 import os
+import zipfile
 
 import numpy as np
 import torch
@@ -150,6 +151,17 @@ class ReplayBuffer:
         with open(path + ".tmp", "wb") as f:
             np.savez(f, written=np.array(written), **{k: getattr(self, k) for k in FIELDS})
         os.replace(path + ".tmp", path)
+
+    @staticmethod
+    def file_is_whole(path: str) -> bool:
+        """Whether `path` is a complete file written by `save` (a cut-off one lacks the zip
+        directory at its end, or some fields)."""
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = set(z.namelist())
+        except (OSError, zipfile.BadZipFile):
+            return False
+        return all(f"{k}.npy" in names for k in ("written", *FIELDS))
 
     def load(self, path: str) -> int:
         """Fill the rows from a file written by `save`; returns its fill level."""

@@ -89,12 +89,14 @@ def test_several_collectors_are_deterministic_and_cover_every_env(script, tmp_pa
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_async_mode_trains_and_logs_update_ratio(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
-    res = run_script(script, *SMALL, "--total-timesteps", "2000", "--sync-mode", "async",
-                     "--save-interval", "800", "--run-dir", run_dir)
+    res = run_script(script, *SMALL, "--total-timesteps", "8000", "--sync-mode", "async",
+                     "--save-interval", "1600", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     check_run_dir(run_dir, "async", script)
-    saved = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
-    assert 1 <= len(saved) <= 2, saved  # near 800 and 1600 env steps; the end: model_final
+    saved = [int(f[11:-3]) for f in os.listdir(run_dir) if re.fullmatch(r"checkpoint_\d+\.pt", f)]
+    # async collectors do not wait for the learner, so where it saves depends on timing:
+    # at most once per 1600 env steps, at least once in the seconds the 8000 steps take
+    assert 1 <= len(saved) <= 4 and min(saved) >= 1600, sorted(saved)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(run_dir)
@@ -123,7 +125,7 @@ def start_run(tmp_path, script, *extra):
          "10000000", "--run-dir", run_dir, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while time.time() < deadline:  # wait until gradient updates are happening
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
         line = proc.stdout.readline() if ready else ""
@@ -172,7 +174,7 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     os.kill(collector, signal.SIGKILL)
     t0 = time.time()
     _, err = proc.communicate(timeout=30)
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < 30  # seconds, not a hang (generous for a loaded machine)
     assert proc.returncode != 0
     assert "collector failed" in err
     assert read_summary(run_dir)["status"] == "failed"
@@ -195,7 +197,7 @@ def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_lea
     assert len(ckpts) == 1 and ckpts[0].endswith(".pt")
     state = torch.load(os.path.join(run_dir, ckpts[0]), weights_only=False)
     assert state["num_updates"] > 0
-    assert wait_gone(collector, 5)
+    assert wait_gone(collector, 20)
 
 
 @pytest.mark.parametrize("script, collectors", [(s, 1) for s in FAULT_SCRIPTS]
@@ -210,8 +212,8 @@ def test_learner_killed_collector_exits_and_removes_memory(script, collectors, t
     proc.kill()
     proc.wait()
     for collector in kids:
-        assert wait_gone(collector, 10), "collector outlived its learner"
-    deadline = time.time() + 10
+        assert wait_gone(collector, 30), "collector outlived its learner"
+    deadline = time.time() + 30
     while shm_files() - before and time.time() < deadline:
         time.sleep(0.1)
     assert not shm_files() - before

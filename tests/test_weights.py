@@ -1,4 +1,5 @@
 import multiprocessing as mp
+import time
 
 import numpy as np
 import pytest
@@ -53,23 +54,43 @@ def _writer(spec, versions):
     ws.close()
 
 
+def _writer_until(spec, stop, deadline_s):
+    """Publish versions 1, 2, ... until `stop` is set (or the deadline passes)."""
+    ws = WeightSync.attach(spec)
+    m, v, end = make_module(), 0, time.monotonic() + deadline_s
+    while not stop.is_set() and time.monotonic() < end:
+        v += 1
+        with torch.no_grad():
+            for t in m.state_dict().values():
+                t.fill_(float(v))
+        ws.publish(m, v)
+    ws.close()
+
+
 def test_no_torn_read_under_concurrent_writer(no_shm_leak):
+    """The writer runs until this reader has seen many versions, so the reads overlap the
+    writes however the two processes are scheduled."""
+    ctx = mp.get_context("spawn")
     ws = WeightSync.create(make_module())
     ws.publish(make_module(0.0), 0)
-    writer = mp.get_context("spawn").Process(target=_writer, args=(ws.spec, 20_000))
+    stop = ctx.Event()
+    writer = ctx.Process(target=_writer_until, args=(ws.spec, stop, 120))
     writer.start()
-    reads, distinct = 0, set()
+    reads, distinct, end = 0, set(), time.monotonic() + 120
     try:
-        while writer.is_alive() or reads < 1000:
+        while (len(distinct) < 100 or reads < 1000) and time.monotonic() < end:
             version, flat = ws.read()
             # every value of a consistent state equals its version
             assert np.all(flat == version), f"torn read at version {version}"
             reads += 1
             distinct.add(version)
-        writer.join()
-        assert writer.exitcode == 0
-        assert len(distinct) > 10  # the reads really overlapped with the writes
+        assert len(distinct) >= 100, "the writer never published while we read"
     finally:
-        writer.join(10)
+        stop.set()
+        writer.join(30)
+        if writer.is_alive():
+            writer.kill()
+            writer.join()
         ws.close()
         ws.unlink()
+    assert writer.exitcode == 0

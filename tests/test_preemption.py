@@ -1,0 +1,156 @@
+"""Preemption: signal checkpoints, picking a complete checkpoint, --resume auto, bounded disk
+and elastic torchrun restarts. Real runs, real signals, real processes."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SMALL, run_script, shm_files
+from test_multigpu import ENV, SCRIPT, TORCHRUN, summary, worker_pids
+from test_resume_and_faults import assert_same_params, final_params
+from test_runs import children, read_summary, wait_gone
+
+EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
+         "--save-replay"]
+
+
+def checkpoints(run_dir):
+    return sorted(int(m.group(1)) for f in os.listdir(run_dir)
+                  if (m := re.fullmatch(r"checkpoint_(\d+)\.pt", f)))
+
+
+def start(script, *flags):
+    """A run in the background, returned once it makes gradient updates."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        m = re.search(r"updates\s+([\d,]+)", line)
+        if m and int(m.group(1).replace(",", "")) > 0:
+            return proc
+        assert time.time() < deadline, "no gradient updates"
+    raise AssertionError(f"the run ended early: {proc.wait()} {proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
+def test_sigterm_checkpoint_resumes_exactly(mode, tmp_path, no_shm_leak):
+    """SIGTERM writes a checkpoint with the replay and both collectors' snapshot at the next
+    iteration; resuming it ends with the parameters of a run that was never stopped."""
+    full, run = str(tmp_path / "full"), str(tmp_path / "run")
+    flags = [*EXACT, "--sync-mode", mode, "--total-timesteps", "12000"]
+    res = run_script("fast_sac.py", *flags, "--run-dir", full)
+    assert res.returncode == 0, res.stderr[-3000:]
+    proc = start("fast_sac.py", *flags, "--run-dir", run)
+    kids = children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert re.search(r"checkpoint_\d+\.pt written [\d.]+ s after signal", err), err[-2000:]
+    assert all(wait_gone(k, 20) for k in kids)
+    (step,) = checkpoints(run)
+    assert 0 < step < 12000 and read_summary(run)["status"] == "interrupted"
+    saved = torch.load(os.path.join(run, f"checkpoint_{step}.pt"), weights_only=False)
+    assert saved["replay"] and len(saved["collector"]) == 2
+    res = run_script("fast_sac.py", "--resume", run)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_params(final_params(full), final_params(run))
+
+
+def test_second_signal_aborts_and_keeps_previous_checkpoint(tmp_path, no_shm_leak):
+    run = str(tmp_path / "run")
+    proc = start("fast_sac.py", *EXACT, "--total-timesteps", "10000000", "--save-interval",
+                 "400", "--run-dir", run)
+    deadline = time.time() + 120
+    while not checkpoints(run) and time.time() < deadline:
+        time.sleep(0.1)
+    kids = children(proc.pid)
+    # two signals at once (of two kinds: a pending signal is not counted twice), so the
+    # second arrives before the first one's checkpoint: abort now
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "stopping without a checkpoint" in err, err[-3000:]
+    assert all(wait_gone(k, 20) for k in kids)
+    assert not [f for f in os.listdir(run) if f.endswith(".tmp")]
+    newest = checkpoints(run)[-1]
+    res = run_script("fast_sac.py", "--resume", run, "--total-timesteps", str(newest + 400))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert read_summary(run)["total_env_steps"] == newest + 400
+
+
+def test_cut_off_checkpoint_is_skipped_with_warning(tmp_path, no_shm_leak):
+    run = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *EXACT, "--total-timesteps", "1200", "--save-interval",
+                     "400", "--keep-checkpoints", "5", "--run-dir", run)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert checkpoints(run) == [400, 800]
+    os.remove(os.path.join(run, "model_final.pt"))
+    newest = os.path.join(run, "checkpoint_800.pt")
+    with open(newest, "r+b") as f:  # cut in half, as a crash during a copy would
+        f.truncate(os.path.getsize(newest) // 2)
+    res = run_script("fast_sac.py", "--resume", run, "--total-timesteps", "1600")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"warning: skipping {newest}" in res.stderr
+    ckpt = final_params(run)
+    assert ckpt["global_step"] == 1600
+    # a cut-off replay file makes its checkpoint incomplete too (the resumed run wrote a
+    # new checkpoint_800.pt)
+    replay = os.path.join(run, "checkpoint_1200.replay.npz")
+    with open(replay, "r+b") as f:
+        f.truncate(os.path.getsize(replay) // 2)
+    os.remove(os.path.join(run, "model_final.pt"))
+    res = run_script("fast_sac.py", "--eval-only", "--checkpoint", run)
+    assert res.returncode == 0 and "replay file" in res.stderr and "checkpoint_800.pt" in res.stdout
+
+
+def test_keep_checkpoints_and_resume_auto(tmp_path, no_shm_leak):
+    run = str(tmp_path / "run")
+    flags = [*EXACT, "--total-timesteps", "1400", "--save-interval", "200",
+             "--keep-checkpoints", "2", "--resume", "auto", "--run-dir", run]
+    res = run_script("fast_sac.py", *flags)  # no run dir yet: a fresh start
+    assert res.returncode == 0, res.stderr[-3000:]
+    files = sorted(os.listdir(run))
+    assert checkpoints(run) == [1000, 1200] and "model_final.pt" in files
+    assert sorted(f for f in files if f.endswith(".npz")) == [
+        "checkpoint_1000.replay.npz", "checkpoint_1200.replay.npz"]
+    res = run_script("fast_sac.py", *flags)  # the same command again: nothing left to do
+    assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
+    res = run_script("fast_sac.py", *flags[:-4], "--resume", "auto")
+    assert res.returncode == 2 and "--resume auto needs --run-dir" in res.stderr
+
+
+def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
+    """torchrun --max-restarts with --resume auto: a rank killed after the first checkpoint
+    costs a restart, and the job still completes with both ranks' parameters identical."""
+    before, run = shm_files(), str(tmp_path / "run")
+    agent = subprocess.Popen(
+        [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "--max-restarts", "2", SCRIPT,
+         *SMALL, "--total-timesteps", "6000", "--save-interval", "1000", "--save-replay",
+         "--resume", "auto", "--run-dir", run, "--sync-mode", "lockstep"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.time() + 300
+        while not (os.path.isdir(run) and checkpoints(run)) and time.time() < deadline:
+            assert agent.poll() is None, agent.stdout.read()[-3000:]
+            time.sleep(0.1)
+        killed_at = checkpoints(run)[-1]
+        workers = worker_pids(agent.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        out, _ = agent.communicate(timeout=600)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, out[-4000:]
+    s = summary(run)
+    assert s["status"] == "completed" and s["total_env_steps"] == 6000, s
+    assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
+    resumed = re.findall(r"resuming \S+checkpoint_(\d+)\.pt at env step", out)
+    assert resumed and int(resumed[0]) >= killed_at, out[-3000:]
+    time.sleep(1)
+    assert not shm_files() - before
