@@ -226,8 +226,9 @@ def resolve_env_id(name: str) -> str:
     raise ArgsError(f"unknown environment '{name}'.{hint}")
 
 
-def resolve_args(args: Args) -> Args:
-    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError."""
+def resolve_args(args: Args, check_shm: bool = True) -> Args:
+    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError.
+    (`check_shm=False`: for callers that never create the replay buffer.)"""
     env_id = resolve_env_id(args.env)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgsError("--device cuda was asked for but torch sees no CUDA device; "
@@ -273,7 +274,7 @@ def resolve_args(args: Args) -> Args:
             raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
                             f"pip install {package}")
     capacity = args.buffer_size // args.num_envs
-    chunk = args.steps_per_iter * async_window_chunks(args.sync_mode, args.num_collectors)
+    chunk = args.steps_per_iter * async_window_chunks(args)
     usable = (capacity - chunk - args.n_step + 1) * args.num_envs
     if capacity < 2 * chunk + args.n_step:
         raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
@@ -294,7 +295,8 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"{env_id} has unbounded actions; {SCRIPT} squashes into finite bounds")
     nbytes = ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0], space.shape[0])
     try:  # a default Docker container has only 64 MiB of /dev/shm
-        check_shm_space(nbytes, "The replay buffer")
+        if check_shm:
+            check_shm_space(nbytes, "The replay buffer")
     except MemoryError as e:
         raise ArgsError(str(e)) from None
     if args.save_replay and args.save_interval:  # the kept files and the one being written
@@ -590,7 +592,7 @@ class Learner:
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
         self.critic_opt.step()
-        return loss.detach()
+        return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
     def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         actions, log_prob = self.actor.sample(obs)
@@ -606,6 +608,7 @@ class Learner:
         actor_loss.backward()
         self.actor_opt.step()
         self.critics.requires_grad_(True)
+        actor_loss = actor_loss.detach().clone()  # (see update_critic)
         alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
         self.alpha_opt.zero_grad(set_to_none=True)
         alpha_loss.backward()
@@ -651,7 +654,13 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         for k in self.SAVED:
-            getattr(self, k).load_state_dict(state[k])
+            saved, mine = state[k], getattr(self, k).state_dict()
+            if "param_groups" in saved:  # an optimizer: keep this machine's kernel choice
+                kernels = [{f: g.get(f) for f in ("fused", "foreach")}
+                           for g in mine["param_groups"]]
+                groups = [g | c for g, c in zip(saved["param_groups"], kernels)]
+                saved = saved | {"param_groups": groups}
+            getattr(self, k).load_state_dict(saved)
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
         self.num_updates = state["num_updates"]
@@ -722,6 +731,8 @@ class Training:
         if self.device.type == "cpu":
             K = args.num_collectors
             torch.set_num_threads(args.learner_threads or default_learner_threads(K))
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
         self.run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
@@ -811,6 +822,8 @@ class Training:
             with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
                 self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
         if ctrl.slowest() >= nxt:
+            if self.args.sync_mode == "async":
+                self.collectors.reading(nxt)
             self.prefetched = self.sample(nxt * S, nxt_window, self.loop["floor"])
 
     def publish_weights(self) -> None:
@@ -879,6 +892,7 @@ class Training:
             "args": dataclasses.asdict(self.args), "script": SCRIPT, **self.loop,
             "restarts": self.collectors.restarts,
             "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "collector": collector_state, "replay": None}
         if collector_state is not None and self.args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
@@ -965,11 +979,14 @@ class Interrupted(Exception):
     """Stopped by a signal after the checkpoint it asked for."""
 
 
-def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int) -> None:
-    """Stop on a non-finite loss (one host sync per iteration, outside the update loop)."""
+def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int,
+                 agree=bool) -> None:
+    """Stop on a non-finite loss (one host sync per iteration, outside the update loop);
+    `agree` makes several learner ranks stop together."""
     values = torch.stack(list(metrics.values()))
-    if not bool(torch.isfinite(values).all()):
+    if agree(not bool(torch.isfinite(values).all())):
         bad = {k: v for k, v in zip(metrics, values.tolist()) if not math.isfinite(v)}
+        bad = bad or "on another rank"
         raise Diverged(f"non-finite loss {bad} at env step {global_step} (update {num_updates});"
                        " the last good checkpoint is kept. Lower the learning rates or check "
                        "the env's rewards and --v-min/--v-max")
@@ -1154,6 +1171,8 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
     given = {k: v for k, v in vars(args).items() if v != defaults[k]}
+    for key in ("device", "compile", "amp", "prefetch", "cudagraphs", "learner_threads"):
+        saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
     for key in RESUME_FIXED:
         if key in given and key != "env" and given[key] != saved[key]:
             raise ArgsError(f"--{key.replace('_', '-')} {given[key]} does not match the "
@@ -1171,6 +1190,9 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
     run.learner.load_state_dict(ckpt)
     run.rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt.get("cuda_rng") and run.device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # (another number of GPUs: fresh noise)
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     loop, S = run.loop, run.args.steps_per_iter
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
     run.collectors.restarts = ckpt["restarts"]

@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -172,8 +173,9 @@ class Args:
     """torch threads of the learner on CPU (default: see default_learner_threads)"""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto is nccl with CUDA, gloo otherwise"""
-    dist_timeout: float = 120.0
-    """seconds a collective may wait for the other ranks before failing"""
+    dist_timeout: float = 1800.0
+    """seconds a collective may wait for the other ranks before failing (they wait while
+    each rank compiles and while rank 0 evaluates or writes a replay file of gigabytes)"""
 
 
 # Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
@@ -236,8 +238,9 @@ def resolve_env_id(name: str) -> str:
     raise ArgsError(f"unknown environment '{name}'.{hint}")
 
 
-def resolve_args(args: Args) -> Args:
-    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError."""
+def resolve_args(args: Args, check_shm: bool = True) -> Args:
+    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError.
+    (`check_shm=False`: for callers that never create the replay buffer.)"""
     env_id = resolve_env_id(args.env)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgsError("--device cuda was asked for but torch sees no CUDA device; "
@@ -283,7 +286,7 @@ def resolve_args(args: Args) -> Args:
             raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
                             f"pip install {package}")
     capacity = args.buffer_size // args.num_envs
-    chunk = args.steps_per_iter * async_window_chunks(args.sync_mode, args.num_collectors)
+    chunk = args.steps_per_iter * async_window_chunks(args)
     usable = (capacity - chunk - args.n_step + 1) * args.num_envs
     if capacity < 2 * chunk + args.n_step:
         raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
@@ -304,7 +307,8 @@ def resolve_args(args: Args) -> Args:
         raise ArgsError(f"{env_id} has unbounded actions; {SCRIPT} squashes into finite bounds")
     nbytes = ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0], space.shape[0])
     try:  # a default Docker container has only 64 MiB of /dev/shm
-        check_shm_space(nbytes, "The replay buffer")
+        if check_shm:
+            check_shm_space(nbytes, "The replay buffer")
     except MemoryError as e:
         raise ArgsError(str(e)) from None
     if args.save_replay and args.save_interval:  # the kept files and the one being written
@@ -607,7 +611,7 @@ class Learner:
         loss.backward()
         D.allreduce_grads_(self.online_params, self.info)
         self.critic_opt.step()
-        return loss.detach()
+        return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
     def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         actions, log_prob = self.actor.sample(obs)
@@ -624,6 +628,7 @@ class Learner:
         D.allreduce_grads_(self.actor.parameters(), self.info)
         self.actor_opt.step()
         self.critics.requires_grad_(True)
+        actor_loss = actor_loss.detach().clone()  # (see update_critic)
         alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
         self.alpha_opt.zero_grad(set_to_none=True)
         alpha_loss.backward()
@@ -670,7 +675,13 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         for k in self.SAVED:
-            getattr(self, k).load_state_dict(state[k])
+            saved, mine = state[k], getattr(self, k).state_dict()
+            if "param_groups" in saved:  # an optimizer: keep this machine's kernel choice
+                kernels = [{f: g.get(f) for f in ("fused", "foreach")}
+                           for g in mine["param_groups"]]
+                groups = [g | c for g, c in zip(saved["param_groups"], kernels)]
+                saved = saved | {"param_groups": groups}
+            getattr(self, k).load_state_dict(saved)
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
         self.num_updates = state["num_updates"]
@@ -725,9 +736,12 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
         status = "diverged"
         run.progress.close()
         print(f"error: {e}", file=sys.stderr, flush=True)
-    except (CollectorError, RuntimeError) as e:  # RuntimeError: a collective failed
+    except CollectorError as e:
         run.progress.close()
         print(f"rank {info.rank} error: {e}", file=sys.stderr, flush=True)
+    except Exception:  # a failed collective (a peer died) or a bug: the whole traceback
+        run.progress.close()
+        print(f"rank {info.rank} error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     finally:
         run.close()
     run.write_summary(status)
@@ -746,6 +760,8 @@ class Training:
             K = args.num_collectors
             threads = args.learner_threads or default_learner_threads(K)
             torch.set_num_threads(max(1, threads // info.local_world_size))
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng([args.seed, info.rank])  # each rank its own samples
         run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
@@ -833,7 +849,8 @@ class Training:
             self.prefetched = None
             if args.prefetch and args.sync_mode != "lockstep" and not done:
                 self.prefetch(chunks, window)
-            check_finite(self.metrics, loop["global_step"], learner.num_updates)
+            check_finite(self.metrics, loop["global_step"], learner.num_updates,
+                         lambda bad: D.any_rank(bad, self.info))
             self.t_first_update = self.t_first_update or t0
             self.t_last_update = time.perf_counter()
         self.timers["learn"] += time.perf_counter() - t0
@@ -850,6 +867,8 @@ class Training:
             with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
                 self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
         if ctrl.slowest() >= nxt:
+            if self.args.sync_mode == "async":
+                self.collectors.reading(nxt)
             self.prefetched = self.sample(nxt * S, nxt_window, self.loop["floor"])
 
     def publish_weights(self) -> None:
@@ -890,6 +909,7 @@ class Training:
         args, step = self.args, self.loop["global_step"]
         if not self.is_main:
             self.next_eval = next_multiple(step, args.eval_interval)
+            D.barrier(self.info)  # (rank 0 evaluates)
             return
         returns = evaluate(self.learner.actor, args.env, args.eval_episodes, args.seed,
                            self.device)
@@ -903,6 +923,7 @@ class Training:
             self.progress.say(f"eval at step {step:,}: return {returns.mean():.1f} "
                               f"+- {returns.std():.1f}")
             self.next_eval = next_multiple(step, args.eval_interval)
+        D.barrier(self.info)
 
     def save_with_snapshot(self) -> str:
         """A checkpoint, with the collectors' snapshot when one was asked for; its name."""
@@ -919,15 +940,21 @@ class Training:
         """Save networks, optimizers, counters and RNG (global rank 0 only); with the
         collectors' snapshot, every rank's RNG and (--save-replay) the replay, a resumed
         single-node run continues exactly; otherwise it starts fresh collectors."""
-        if not self.is_main:
-            return
-        if not self.learner.all_finite():
+        finite = not D.any_rank(not self.learner.all_finite(), self.info)
+        if self.is_main and finite:
+            self.write_checkpoint(name, collector_state, rank_rng)
+        D.barrier(self.info)  # (rank 0 writes)
+        if not finite:
             raise Diverged(f"non-finite parameters at env step {self.loop['global_step']}; "
                            "the last good checkpoint is kept")
+
+    def write_checkpoint(self, name: str, collector_state: list[dict] | None,
+                         rank_rng: list | None) -> None:
         state = self.learner.state_dict() | {
             "args": dataclasses.asdict(self.args), "script": SCRIPT, **self.loop,
             "restarts": self.collectors.restarts,
             "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "collector": collector_state, "replay": None, "rank_rng": rank_rng}
         if collector_state is not None and self.args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
@@ -1012,7 +1039,9 @@ class NoWriter:
 
 def gather_rng(rng: np.random.Generator, info: D.DistInfo) -> list[dict]:
     """Every rank's sampling and torch RNG states, in rank order (for an exact resume)."""
-    mine = {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state().tolist()}
+    mine = {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state().tolist(),
+            "cuda_rng": (torch.cuda.get_rng_state().tolist() if torch.cuda.is_available()
+                         else None)}
     return [json.loads(x) for x in D.gather_strings(json.dumps(mine), info)]
 
 
@@ -1052,11 +1081,14 @@ class Interrupted(Exception):
     """Stopped by a signal after the checkpoint it asked for."""
 
 
-def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int) -> None:
-    """Stop on a non-finite loss (one host sync per iteration, outside the update loop)."""
+def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int,
+                 agree=bool) -> None:
+    """Stop on a non-finite loss (one host sync per iteration, outside the update loop);
+    `agree` makes several learner ranks stop together."""
     values = torch.stack(list(metrics.values()))
-    if not bool(torch.isfinite(values).all()):
+    if agree(not bool(torch.isfinite(values).all())):
         bad = {k: v for k, v in zip(metrics, values.tolist()) if not math.isfinite(v)}
+        bad = bad or "on another rank"
         raise Diverged(f"non-finite loss {bad} at env step {global_step} (update {num_updates});"
                        " the last good checkpoint is kept. Lower the learning rates or check "
                        "the env's rewards and --v-min/--v-max")
@@ -1241,6 +1273,8 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
     given = {k: v for k, v in vars(args).items() if v != defaults[k]}
+    for key in ("device", "compile", "amp", "prefetch", "cudagraphs", "learner_threads"):
+        saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
     for key in RESUME_FIXED:
         if key in given and key != "env" and given[key] != saved[key]:
             raise ArgsError(f"--{key.replace('_', '-')} {given[key]} does not match the "
@@ -1258,6 +1292,9 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
     run.learner.load_state_dict(ckpt)
     run.rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
+    if ckpt.get("cuda_rng") and run.device.type == "cuda":
+        with contextlib.suppress(RuntimeError):  # (another number of GPUs: fresh noise)
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     loop, S = run.loop, run.args.steps_per_iter
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
     run.collectors.restarts = ckpt["restarts"]
@@ -1277,6 +1314,8 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
         mine = ckpt["rank_rng"][run.info.rank]  # an exact continuation of this rank
         run.rng.bit_generator.state = mine["rng"]
         torch.set_rng_state(torch.tensor(mine["torch_rng"], dtype=torch.uint8))
+        if mine.get("cuda_rng") and run.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.tensor(mine["cuda_rng"], dtype=torch.uint8))
     else:
         run.rng = np.random.default_rng([run.args.seed, run.info.rank, loop["iteration"]])
     return starts

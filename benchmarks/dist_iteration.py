@@ -55,7 +55,8 @@ def worker(b: Bench) -> None:
     info = D.init("auto", b.device)
     args = m.resolve_args(m.Args(env=b.env, device=b.device, batch_size=b.batch_size,
                                  critic_hidden=b.critic_hidden, actor_hidden=b.actor_hidden,
-                                 updates_per_iter=b.updates_per_iter))
+                                 updates_per_iter=b.updates_per_iter, compile=False,
+                                 amp=b.bf16), check_shm=False)  # (no buffer is created)
     obs_dim, act_dim, low, high = m.env_dims(args.env)
     dev = torch.device(info.device)
     learner = m.Learner(args, obs_dim, act_dim, low, high, dev, info)
@@ -82,8 +83,7 @@ def worker(b: Bench) -> None:
             out.append(time.perf_counter() - t0)
         return float(np.median(out))
 
-    with torch.autocast(dev.type, torch.bfloat16, enabled=b.bf16):
-        iteration_s = timed(lambda: learner.train_iteration(batch), b.iterations)
+    iteration_s = timed(lambda: learner.train_iteration(batch), b.iterations)  # (--bf16: amp)
     params = list(learner.critics.parameters()) + list(learner.actor.parameters())
     for p in params:
         p.grad = torch.randn_like(p)

@@ -65,7 +65,7 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
     args = fast_sac.resolve_args(fast_sac.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
         actor_hidden=hidden, critic_hidden=hidden, buffer_size=max(1_000_000, 2 * batch),
-        prefetch=False, **flags))
+        prefetch=False, **flags), check_shm=False)  # (no replay buffer is created here)
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     device = torch.device(b.device)
     learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, device)

@@ -61,11 +61,14 @@ def weights_version_for(chunk: int, sync_mode: str) -> int:
     return chunk if sync_mode == "lockstep" else max(chunk - 1, 0)
 
 
-def async_window_chunks(sync_mode: str, num_collectors: int) -> int:
-    """Chunks past the learner's read position that collectors may be writing: the one in
-    flight; in async mode also the next, and with several collectors one more, because they
-    may drift a chunk apart."""
-    return 1 if sync_mode != "async" else 2 if num_collectors == 1 else 3
+def async_window_chunks(args) -> int:
+    """Chunks past the learner's read position that collectors may be writing (the learner
+    keeps their rows, the oldest of each ring, out of its samples): the one in flight; in
+    async mode a twentieth of the ring (at least 3), and collectors wait rather than run
+    further ahead of the learner's newest sample, so it never contains an overwritten row."""
+    if args.sync_mode != "async":
+        return 1
+    return max(3, args.buffer_size // args.num_envs // (20 * args.steps_per_iter))
 
 
 def env_slice(num_envs: int, num_collectors: int, index: int) -> slice:
@@ -136,7 +139,7 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
         obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
         policy.restore(start["policy"])
         first_chunk = start["chunk"]
-    loaded = -1
+    loaded, window = -1, async_window_chunks(args)
     num_chunks = math.ceil(args.total_timesteps / (args.num_envs * S))
     for chunk in range(first_chunk, num_chunks):
         step0 = chunk * S
@@ -144,9 +147,10 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
         t0 = time.perf_counter()
         if args.sync_mode == "async":
             want = None if not random_actions else loaded
-            # stay at most one chunk ahead of the slowest collector, so that the write
-            # window the learner keeps clear (async_window_chunks) holds every write
-            if _poll(lambda: ctrl.slowest() >= chunk - 1, ctrl, parent) is None:
+            # stay at most one chunk ahead of the slowest collector, and inside the window
+            # the learner keeps clear of its samples (async_window_chunks)
+            if _poll(lambda: ctrl.slowest() >= chunk - 1
+                     and chunk < ctrl.read_chunk + window, ctrl, parent) is None:
                 return
         else:
             want = weights_version_for(chunk, args.sync_mode)
@@ -366,7 +370,8 @@ class Collectors:
                     seen = written if written * args.num_envs < args.learning_starts else 0
                     self.wait_until(lambda: ctrl.slowest() * S > seen)
                     chunks = agree(ctrl.slowest()) if agree else ctrl.slowest()
-                    return chunks, async_window_chunks(args.sync_mode, args.num_collectors) * S
+                    self.reading(chunks)
+                    return chunks, async_window_chunks(args) * S
                 # the schedule fixes which rows exist, so timing cannot change the result
                 self.wait_until(lambda: ctrl.slowest() > iteration)
                 chunks = iteration + 1
@@ -376,6 +381,12 @@ class Collectors:
                 if not (args.restart_collector and self.owner):
                     raise
                 self.restart(e)
+
+    def reading(self, chunks: int) -> None:
+        """Async mode: the learner draws a sample from the rows of `chunks` chunks, so the
+        collectors must not run more than the window past them (see async_window_chunks)."""
+        if self.owner:
+            self.ctrl.set_read_chunk(chunks)
 
     def restart(self, error: CollectorError) -> None:
         """Replace the dead collector `error.index` by a fresh one at its next chunk (its

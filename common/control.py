@@ -20,11 +20,12 @@ COLLECT_S, WEIGHT_WAIT_S, WEIGHT_LOAD_S = 0, 1, 2
 # indices into a row of the int64 "counters" array
 CHUNKS_DONE, STOP, STATE, EPISODES, SNAPSHOT_REQ, SNAPSHOT_DONE, SNAPSHOT_CHUNK = range(7)
 LEARNER_PID = 7  # (the same in every row) the learner that created the block
+READ_CHUNK = 8  # (the same in every row) async: the chunks the learner's newest sample used
 
 
 def _specs(num: int) -> dict:
     return {
-        "counters": ((num, 8), np.int64),
+        "counters": ((num, 9), np.int64),
         "timing": ((num, 4), np.float64),
         "episodes": ((num, EPISODE_RING, 3), np.float64),
         "error": ((num, ERROR_BYTES), np.uint8),
@@ -102,6 +103,14 @@ class Control:
     def slowest(self) -> int:
         """Chunks completed by every collector."""
         return int(self.all_counters[:, CHUNKS_DONE].min())
+
+    @property
+    def read_chunk(self) -> int:
+        """How many chunks the learner's newest sample was drawn from (async mode)."""
+        return int(self.counters[READ_CHUNK])
+
+    def set_read_chunk(self, chunks: int) -> None:
+        self.all_counters[:, READ_CHUNK] = chunks
 
     def stop_all(self) -> None:
         self.all_counters[:, STOP] = 1

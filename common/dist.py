@@ -125,6 +125,12 @@ def allreduce_sum_(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
+def barrier(info: DistInfo) -> None:
+    """Wait until every rank gets here (no-op without torchrun)."""
+    if info.distributed:
+        dist.barrier()
+
+
 def any_rank(flag: bool, info: DistInfo) -> bool:
     """True on every rank if `flag` is True on any (ranks use it to agree to stop)."""
     return allreduce_min(0 if flag else 1, info) == 0

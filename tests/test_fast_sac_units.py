@@ -252,3 +252,13 @@ def test_gpu_only_flags_are_refused_on_cpu():
         fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True))
     args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu"))
     assert not (args.compile or args.amp or args.prefetch)  # the CPU path is untouched
+
+
+def test_non_finite_loss_stops_every_rank_that_agrees():
+    finite = {"qf_loss": torch.tensor(1.0)}
+    fs.check_finite(finite, 100, 10)  # nothing wrong
+    with pytest.raises(fs.Diverged, match="non-finite loss"):
+        fs.check_finite({"qf_loss": torch.tensor(float("nan"))}, 100, 10)
+    # a rank whose own losses are finite stops when another rank's were not
+    with pytest.raises(fs.Diverged, match="on another rank"):
+        fs.check_finite(finite, 100, 10, agree=lambda bad: True)

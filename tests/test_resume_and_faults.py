@@ -200,3 +200,27 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
     assert proc.returncode == 0, text[-2000:]
     assert "800/800" in text and "updates/s" in text and "SPS" in text
     assert "<" in text  # tqdm's elapsed<remaining (ETA)
+
+
+def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_leak):
+    """A checkpoint from a GPU machine (device, compile, bf16, prefetch, fused optimizer
+    kernels) resumed on this CPU machine runs with this machine's settings."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", first)
+    assert res.returncode == 0, res.stderr[-3000:]
+    path = os.path.join(first, "model_final.pt")
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["args"] |= {"device": "cuda", "compile": True, "amp": True, "prefetch": True}
+    for opt in ("actor_opt", "critic_opt", "alpha_opt"):
+        for group in ckpt[opt]["param_groups"]:
+            group |= {"fused": True, "foreach": None}
+    torch.save(ckpt, path)
+    res = run_script("fast_sac.py", "--resume", path, "--total-timesteps", "1000", "--run-dir",
+                     second)
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = torch.load(os.path.join(second, "model_final.pt"), weights_only=False)
+    assert resumed["args"]["device"] == "cpu"
+    assert not (resumed["args"]["compile"] or resumed["args"]["amp"]
+                or resumed["args"]["prefetch"])
+    for opt in ("actor_opt", "critic_opt", "alpha_opt"):
+        assert all(g["foreach"] and not g["fused"] for g in resumed[opt]["param_groups"])
