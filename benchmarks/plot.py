@@ -72,14 +72,19 @@ def labels(run_dirs: list[str]) -> tuple[list[str], str | None]:
 
 
 def main(p: Plot) -> None:
-    import matplotlib
-
+    if not p.run_dirs:
+        raise SystemExit("give at least one run directory")
+    for run_dir in p.run_dirs:
+        if not os.path.isdir(run_dir):
+            raise SystemExit(f"{run_dir} is not a run directory")
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot.py draws with matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    if not p.run_dirs:
-        raise SystemExit("give at least one run directory")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     names, env = labels(p.run_dirs)
     for run_dir, label in zip(p.run_dirs, names):

@@ -19,13 +19,23 @@ def shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/fastrl_*"))
 
 
+def leaked(before: set[str]) -> set[str]:
+    """Segments that appeared since `before` and outlive the process that made them (its
+    pid is in the name), or that this test process made: a training run of someone else's
+    on the same machine, whose segments come and go with it, is no leak."""
+    def orphan(path: str) -> bool:
+        pid = int(os.path.basename(path).split("_")[-2])
+        return pid == os.getpid() or not os.path.exists(f"/proc/{pid}")
+    return {f for f in shm_files() - before if orphan(f)}
+
+
 @pytest.fixture
 def no_shm_leak():
     """Fails the test if it leaves any of our segments in /dev/shm."""
     before = shm_files()
     yield
-    leaked = shm_files() - before
-    assert not leaked, f"shared memory left behind: {leaked}"
+    left = leaked(before)
+    assert not left, f"shared memory left behind: {left}"
 
 
 def run_script(script: str, *flags: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, SMALL, run_script, shm_files
+from conftest import ROOT, SMALL, leaked, run_script, shm_files
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SCRIPT = os.path.join(ROOT, "fast_sac_multigpu.py")
@@ -148,11 +148,11 @@ def test_killed_rank_stops_every_process(tmp_path):
     while time.time() < deadline:
         alive = [p for p in tree if os.path.exists(f"/proc/{p}")
                  and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-        if not alive and not shm_files() - before:
+        if not alive and not leaked(before):
             break
         time.sleep(0.2)
     assert not alive, f"processes left: {alive}"
-    assert not shm_files() - before
+    assert not leaked(before)
 
 
 def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm_leak):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, run_script, shm_files
+from conftest import ROOT, SMALL, leaked, run_script, shm_files
 from test_multigpu import ENV, SCRIPT, TORCHRUN, summary, worker_pids
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary, wait_gone
@@ -153,4 +153,4 @@ def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
     resumed = re.findall(r"resuming \S+checkpoint_(\d+)\.pt at env step", out)
     assert resumed and int(resumed[0]) >= killed_at, out[-3000:]
     time.sleep(1)
-    assert not shm_files() - before
+    assert not leaked(before)

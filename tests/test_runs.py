@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, run_script, shm_files
+from conftest import ROOT, SMALL, leaked, run_script, shm_files
 
 
 def read_summary(run_dir):
@@ -208,15 +208,15 @@ def test_learner_killed_collector_exits_and_removes_memory(script, collectors, t
                         str(collectors))
     kids = children(proc.pid)
     assert len(kids) == collectors
-    assert shm_files() - before  # the run's segments exist
+    assert shm_files() - before  # the run's segments exist (owned by its living learner)
     proc.kill()
     proc.wait()
     for collector in kids:
         assert wait_gone(collector, 30), "collector outlived its learner"
     deadline = time.time() + 30
-    while shm_files() - before and time.time() < deadline:
+    while leaked(before) and time.time() < deadline:
         time.sleep(0.1)
-    assert not shm_files() - before
+    assert not leaked(before)
 
 
 @pytest.mark.parametrize("script", FAULT_SCRIPTS)
