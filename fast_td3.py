@@ -741,7 +741,6 @@ class Training:
         self.writer = make_writer(args, self.run_dir)
         self.dims = env_dims(args.env)
         self.learner = Learner(args, *self.dims, self.device)
-        self.num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
         self.capacity = args.buffer_size // args.num_envs
         self.collectors = None
         # what a checkpoint must carry besides the networks to continue the loop exactly;
@@ -777,7 +776,7 @@ class Training:
         """Count the env steps collected; True when this is the last iteration."""
         self.written = chunks * self.args.steps_per_iter
         self.loop["global_step"] = self.written * self.args.num_envs
-        return chunks >= self.num_chunks
+        return chunks >= self.collectors.num_chunks
 
     def plan_checkpoint(self, chunks: int, done: bool, stopping: bool) -> bool:
         """Whether this iteration ends with a checkpoint; if so, ask the collectors for a
@@ -818,7 +817,7 @@ class Training:
         ctrl, S = self.ctrl, self.args.steps_per_iter
         nxt, nxt_window = ctrl.slowest(), window  # async: whatever is complete
         if self.args.sync_mode == "pipelined":
-            nxt, nxt_window = chunks + 1, S if chunks + 1 < self.num_chunks else 0
+            nxt, nxt_window = chunks + 1, S if chunks + 1 < self.collectors.num_chunks else 0
             with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
                 self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
         if ctrl.slowest() >= nxt:

@@ -71,6 +71,11 @@ def async_window_chunks(args) -> int:
     return max(3, args.buffer_size // args.num_envs // (20 * args.steps_per_iter))
 
 
+def num_chunks(args) -> int:
+    """Chunks in the whole run: enough to collect --total-timesteps env steps."""
+    return math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
+
+
 def env_slice(num_envs: int, num_collectors: int, index: int) -> slice:
     """The envs collector `index` steps: contiguous, sizes differing by at most one."""
     bounds = np.linspace(0, num_envs, num_collectors + 1).round().astype(int)
@@ -140,8 +145,7 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
         policy.restore(start["policy"])
         first_chunk = start["chunk"]
     loaded, window = -1, async_window_chunks(args)
-    num_chunks = math.ceil(args.total_timesteps / (args.num_envs * S))
-    for chunk in range(first_chunk, num_chunks):
+    for chunk in range(first_chunk, num_chunks(args)):
         step0 = chunk * S
         random_actions = step0 * args.num_envs < args.learning_starts
         t0 = time.perf_counter()
@@ -273,7 +277,7 @@ class Collectors:
         self.name, self.args, self.run_dir, self.owner = name, args, run_dir, owner
         self.rb, self.ws, self.ctrl = rb, ws, ctrl
         self.procs: list[mp.Process] = []
-        self.num_chunks = math.ceil(args.total_timesteps / (args.num_envs * args.steps_per_iter))
+        self.num_chunks = num_chunks(args)
         self.restarts, self.wait_s = 0, 0.0
 
     @classmethod
@@ -410,9 +414,8 @@ class Collectors:
         """The chunk at whose start a checkpoint taken after learning on `chunks` chunks
         must capture the collectors: the first chunk collected with the weights published
         next. None where there is no common one (async collectors drift apart)."""
-        mode = self.args.sync_mode
-        chunk = chunks if mode == "lockstep" else chunks + 1 if mode == "pipelined" else (
-            0 if self.args.num_collectors == 1 else None)
+        chunk = {"lockstep": chunks, "pipelined": chunks + 1}.get(
+            self.args.sync_mode, 0 if self.args.num_collectors == 1 else None)
         return chunk if chunk is not None and chunk < self.num_chunks else None
 
     def ask_snapshot(self, chunk: int) -> None:
