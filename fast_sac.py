@@ -741,7 +741,6 @@ class Training:
         self.writer = make_writer(args, self.run_dir)
         self.dims = env_dims(args.env)
         self.learner = Learner(args, *self.dims, self.device)
-        self.capacity = args.buffer_size // args.num_envs
         self.collectors = None
         # what a checkpoint must carry besides the networks to continue the loop exactly;
         # floor: env-local steps below it hold no data (after a resume without the replay)
@@ -794,7 +793,7 @@ class Training:
         args, loop, learner = self.args, self.loop, self.learner
         written, t0 = self.written, time.perf_counter()
         if written > loop["normalized_upto"]:
-            first = max(loop["normalized_upto"], written - self.capacity, loop["floor"])
+            first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             learner.actor.normalizer.update(new_obs)
             loop["normalized_upto"] = written

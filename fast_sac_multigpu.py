@@ -773,7 +773,6 @@ class Training:
         self.dims = env_dims(args.env)
         self.learner = Learner(args, *self.dims, self.device, info)
         torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
-        self.capacity = args.buffer_size // args.num_envs
         self.collectors = None
         # what a checkpoint must carry besides the networks to continue the loop exactly;
         # floor: env-local steps below it hold no data (after a resume without the replay)
@@ -837,7 +836,7 @@ class Training:
         args, loop, learner = self.args, self.loop, self.learner
         written, t0 = self.written, time.perf_counter()
         if written > loop["normalized_upto"]:
-            first = max(loop["normalized_upto"], written - self.capacity, loop["floor"])
+            first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             update_normalizer(learner.actor.normalizer, new_obs, self.info)
             loop["normalized_upto"] = written
