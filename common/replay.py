@@ -93,6 +93,17 @@ class ReplayBuffer:
         lo = max(floor, written + window - self.capacity)
         return lo, written - n_step + 1
 
+    def draw(self, rng: np.random.Generator, batch_size: int, n_step: int, written: int,
+             window: int = 0, floor: int = 0) -> np.ndarray:
+        """Random n-step windows below `written`: flat row indices (env * capacity + row),
+        shape [batch_size, n_step], each row a window of consecutive steps of one env."""
+        lo, hi = self.valid_range(written, window, n_step, floor)
+        if hi <= lo:
+            raise ValueError(f"nothing to sample: steps [{lo}, {hi}) with written={written}")
+        env = rng.integers(0, self.num_envs, size=batch_size)
+        start = rng.integers(lo, hi, size=batch_size)
+        return env[:, None] * self.capacity + (start[:, None] + np.arange(n_step)) % self.capacity
+
     def sample(self, rng: np.random.Generator, batch_size: int, n_step: int, gamma: float,
                written: int, window: int = 0, floor: int = 0,
                out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -103,29 +114,17 @@ class ReplayBuffer:
         Sums stop at the first episode end, so they never cross a reset. With `out` (arrays
         of the right shapes, e.g. views of pinned memory) the rows are gathered into it.
         """
-        lo, hi = self.valid_range(written, window, n_step, floor)
-        if hi <= lo:
-            raise ValueError(f"nothing to sample: steps [{lo}, {hi}) with written={written}")
-        env = rng.integers(0, self.num_envs, size=batch_size)
-        start = rng.integers(lo, hi, size=batch_size)
-        rows = (start[:, None] + np.arange(n_step)) % self.capacity  # [B, n]
-        done = self.dones[env[:, None], rows]
-        # alive[:, k] = 1 while no episode ended before step k of the window
-        alive = np.ones_like(done)
-        alive[:, 1:] = np.cumprod(1.0 - done[:, :-1], axis=1)
-        discounts = gamma ** np.arange(n_step, dtype=np.float32)
-        reward = (self.rewards[env[:, None], rows] * alive * discounts).sum(1)
-        steps = alive.sum(1).astype(np.int64)  # transitions used, 1..n
-        last = rows[np.arange(batch_size), steps - 1]
-        bootstrap = (gamma**steps) * (1.0 - self.terminated[env, last])
-        first, final = env * self.capacity + rows[:, 0], env * self.capacity + last
+        flat = self.draw(rng, batch_size, n_step, written, window, floor)
+        fields = {k: torch.from_numpy(getattr(self, k).reshape(-1))
+                  for k in ("rewards", "dones", "terminated")}
+        rewards, discounts, last = nstep(torch.from_numpy(flat), fields, powers(gamma, n_step))
         out = out if out is not None else {}
         batch = {
-            "obs": self._take(self.obs, first, out.get("obs")),
-            "actions": self._take(self.actions, first, out.get("actions")),
-            "rewards": reward.astype(np.float32),
-            "next_obs": self._take(self.next_obs, final, out.get("next_obs")),
-            "discounts": bootstrap.astype(np.float32),
+            "obs": self._take(self.obs, flat[:, 0], out.get("obs")),
+            "actions": self._take(self.actions, flat[:, 0], out.get("actions")),
+            "rewards": rewards.numpy(),
+            "next_obs": self._take(self.next_obs, last.numpy(), out.get("next_obs")),
+            "discounts": discounts.numpy(),
         }
         for key in ("rewards", "discounts"):
             if key in out:
@@ -181,6 +180,30 @@ class ReplayBuffer:
         self.mem.unlink()
 
 
+def powers(gamma: float, n_step: int) -> torch.Tensor:
+    """gamma**k for k = 0..n_step, as float32."""
+    return torch.from_numpy((gamma ** np.arange(n_step + 1)).astype(np.float32))
+
+
+def nstep(flat: torch.Tensor, fields: dict[str, torch.Tensor], gamma_pow: torch.Tensor):
+    """The n-step sums of the windows `flat` [B, n] (see ReplayBuffer.draw) over the flat
+    rewards, dones and terminated in `fields`: (discounted reward sum, bootstrap discount,
+    flat row of the last step used). A sum stops after the first episode end; the discount
+    is gamma**steps, or 0 when that last step terminated.
+
+    The host sampler and the device mirror both use it, so their batches agree bit for bit.
+    """
+    done = fields["dones"][flat]
+    alive = torch.ones_like(done)  # alive[:, k] = 1 while no episode ended before step k
+    alive[:, 1:] = torch.cumprod(1.0 - done[:, :-1], dim=1)
+    rewards = fields["rewards"][flat[:, 0]]
+    for k in range(1, flat.shape[1]):  # (in order, the same sum on every device)
+        rewards = rewards + fields["rewards"][flat[:, k]] * alive[:, k] * gamma_pow[k]
+    steps = alive.sum(1).long()  # transitions used, 1..n
+    last = flat.gather(1, (steps - 1)[:, None])[:, 0]
+    return rewards, gamma_pow[steps] * (1.0 - fields["terminated"][last]), last
+
+
 def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -218,3 +241,53 @@ class Sampler:
         if self.pinned:
             return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
         return to_device(batch, self.device)
+
+
+class Mirror:
+    """A copy of the replay rings in the learner's device memory (same per-env layout), and
+    a sampler that gathers there: only the row indices cross from the host per sample.
+
+    Before each sample it copies the rows committed since the previous one (num_envs x
+    steps-per-iter rows per iteration; everything valid after a resume, so the shared
+    buffer stays the source of truth). It never copies a row that a write in flight may
+    touch: the same rows that sampling excludes (ReplayBuffer.valid_range). Given the same
+    random draws its batches equal Sampler's bit for bit.
+    """
+
+    def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
+                 n_step: int, gamma: float):
+        self.rb, self.rng, self.device = rb, rng, device
+        self.rows, self.n_step = rows, n_step
+        self.gamma_pow = powers(gamma, n_step).to(device)
+        self.fields = {k: torch.zeros(getattr(rb, k).shape, device=device) for k in FIELDS}
+        self.flat = {k: v.flatten(0, 1) for k, v in self.fields.items()}  # (views)
+        self.upto = 0  # env-local steps below this that may be sampled are on the device
+
+    @staticmethod
+    def nbytes(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> int:
+        return num_envs * capacity * (2 * obs_dim + act_dim + 3) * 4
+
+    def update(self, written: int, window: int, floor: int) -> None:
+        """Copy env-local steps [upto, written) of every env, except those below the
+        oldest step that may be sampled (they may be being overwritten)."""
+        capacity = self.rb.capacity
+        lo = max(self.upto, self.rb.valid_range(written, window, 1, floor)[0])
+        while lo < written:  # (at most two spans: the ring wraps once)
+            row = lo % capacity
+            stop = min(capacity, row + written - lo)
+            for key, dst in self.fields.items():
+                src = np.ascontiguousarray(getattr(self.rb, key)[:, row:stop])
+                dst[:, row:stop].copy_(torch.from_numpy(src))
+            lo += stop - row
+        self.upto = max(self.upto, written)
+
+    def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
+        """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
+        self.update(written, window, floor)
+        flat = self.rb.draw(self.rng, self.rows, self.n_step, written, window, floor)
+        flat = torch.from_numpy(flat).to(self.device)
+        rewards, discounts, last = nstep(flat, self.flat, self.gamma_pow)
+        first = flat[:, 0]
+        return {"obs": self.flat["obs"][first], "actions": self.flat["actions"][first],
+                "rewards": rewards, "next_obs": self.flat["next_obs"][last],
+                "discounts": discounts}

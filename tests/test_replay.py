@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
+import torch
 
-from common.replay import ReplayBuffer
+from common.replay import Mirror, ReplayBuffer
 
 
 @pytest.fixture
@@ -97,3 +98,60 @@ def test_attach_sees_writes_and_unlink_removes(no_shm_leak):
 def test_memory_within_bound(no_shm_leak):
     cap, obs, act = 10_000, 17, 6
     assert ReplayBuffer.nbytes(4, cap // 4, obs, act) <= cap * (2 * obs + act + 4) * 4 + 2**20
+
+
+def test_device_mirror_batches_equal_host_batches_bit_for_bit(no_shm_leak):
+    """The mirror (here on the CPU device) against the host sampler with the same draws,
+    chunk by chunk through several ring wraps, random episode ends and terminations, and
+    an in-flight write window whose rows hold NaN (neither may ever read them)."""
+    E, C, S, window, n = 3, 24, 4, 4, 3
+    rb = ReplayBuffer.create(num_envs=E, capacity=C, obs_dim=5, act_dim=2)
+    data = np.random.default_rng(0)
+    mirror = Mirror(rb, np.random.default_rng(7), torch.device("cpu"), 257, n, 0.97)
+    host = np.random.default_rng(7)
+
+    def write(step, value=None):
+        def f(*shape):
+            return np.full(shape, value) if value is not None else data.normal(size=shape)
+        rb.write(slice(None), step, f(E, 5), f(E, 2), f(E), f(E, 5),
+                 data.random(E) < 0.1, data.random(E) < 0.3)
+
+    try:
+        for chunk in range(1, 4 * C // S):
+            for step in range((chunk - 1) * S, chunk * S):
+                write(step)
+            written = chunk * S
+            rb.commit(slice(None), written)
+            for step in range(written, written + window):  # the collectors' next chunk
+                write(step, np.nan)
+            if written < n:
+                continue
+            for _ in range(2):  # (the second sample copies nothing new)
+                expected = rb.sample(host, 257, n, 0.97, written, window)
+                got = mirror(written, window, 0)
+                for key, value in expected.items():
+                    assert not np.isnan(value).any(), key
+                    assert torch.equal(got[key], torch.from_numpy(value)), (chunk, key)
+        assert mirror.upto == written and written > 3 * C  # wrapped three times
+    finally:
+        rb.close()
+        rb.unlink()
+
+
+def test_device_mirror_refills_after_resume(no_shm_leak):
+    """A new mirror over a full buffer (as after a resume, with a floor) copies every row
+    that may be sampled in its first update."""
+    rb = ReplayBuffer.create(num_envs=2, capacity=8, obs_dim=3, act_dim=1)
+    try:
+        fill(rb, 13)
+        mirror = Mirror(rb, np.random.default_rng(0), torch.device("cpu"), 64, 1, 0.99)
+        batch = mirror(13, window=0, floor=7)
+        assert sorted(set((batch["obs"][:, 0] % 100).tolist())) == list(range(7, 13))
+        rows = np.arange(7, 13) % 8
+        for key in ("obs", "next_obs", "rewards", "dones"):
+            host = torch.from_numpy(getattr(rb, key)[:, rows])
+            assert torch.equal(mirror.fields[key][:, rows], host)
+        assert not mirror.fields["obs"][:, [5, 6]].any()  # below the floor: not copied
+    finally:
+        rb.close()
+        rb.unlink()
