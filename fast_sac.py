@@ -16,6 +16,7 @@ needs a change. common/ moves the bytes between processes; DESIGN.md explains ho
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import glob
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 from common.collectors import CollectorError, Collectors, async_window_chunks
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
-from common.replay import ReplayBuffer, Sampler
+from common.replay import Mirror, ReplayBuffer, Sampler
 from common.shm import check_shm_space
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
@@ -163,6 +164,10 @@ class Args:
     prefetch: bool | None = None
     """gather the next iteration's batch (into pinned memory on CUDA) while this one
     trains; copies to the GPU do not block (None: on with CUDA)"""
+    replay_mirror: bool | None = None
+    """keep a copy of the replay buffer in the learner's device memory and sample there: per
+    iteration only the new rows and the sampled indices cross from the host (None: on with
+    CUDA; on CPU it only doubles the buffer's memory)"""
     learner_threads: int | None = None
     """torch threads of the learner on CPU (default: see default_learner_threads)"""
 
@@ -189,6 +194,19 @@ GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_
 
 class ArgsError(ValueError):
     """Bad command-line input, reported before any process starts."""
+
+
+def check_mirror_fits(args: Args, obs_dim: int, act_dim: int) -> None:
+    """--replay-mirror on CUDA: the mirror and two samples must fit in this process's GPU
+    (torchrun's local rank), next to what the networks need."""
+    mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
+    sample = args.batch_size * args.updates_per_iter * (2 * obs_dim + act_dim + 2) * 4
+    free = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    if mirror + 2 * sample > free:
+        raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "
+                        f"{2 * sample / 2**30:.1f} GiB for samples, but {free / 2**30:.1f} GiB "
+                        "are free; lower --buffer-size, or pass --replay-mirror False to "
+                        "sample on the host")
 
 
 def available_cores() -> int:
@@ -252,7 +270,7 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     for field in ("learning_starts", "save_interval", "eval_interval"):
         if getattr(args, field) < 0:
             raise ArgsError(f"--{field.replace('_', '-')} must be >= 0")
-    for flag in ("compile", "amp", "prefetch"):
+    for flag in ("compile", "amp", "prefetch", "replay_mirror"):
         if getattr(args, flag) is None:
             setattr(args, flag, device == "cuda")
     if args.cudagraphs and not (device == "cuda" and args.compile):
@@ -297,6 +315,8 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     try:  # a default Docker container has only 64 MiB of /dev/shm
         if check_shm:
             check_shm_space(nbytes, "The replay buffer")
+        if check_shm and args.replay_mirror and device == "cuda":
+            check_mirror_fits(args, obs_space.shape[0], space.shape[0])
     except MemoryError as e:
         raise ArgsError(str(e)) from None
     if args.save_replay and args.save_interval:  # the kept files and the one being written
@@ -666,6 +686,32 @@ class Learner:
         self.num_updates = state["num_updates"]
 
 
+def warm_up(learner, obs_dim: int, act_dim: int) -> None:
+    """--compile: compile both update steps now by running them once on made-up data, so
+    that a compile error stops the run in its first seconds, before any process starts.
+    The networks, optimizers, counters and random state are put back afterwards."""
+    saved = copy.deepcopy(learner.state_dict())
+    cuda = learner.device.type == "cuda"
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+    rows, device = learner.args.batch_size * learner.args.policy_frequency, learner.device
+    batch = {"obs": torch.zeros(rows, obs_dim, device=device), "rewards": torch.zeros(rows,
+             device=device), "actions": torch.zeros(rows, act_dim, device=device),
+             "next_obs": torch.zeros(rows, obs_dim, device=device),
+             "discounts": torch.ones(rows, device=device)}
+    try:
+        learner.train_iteration(batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
+                        f"{first_line}); run with --compile False") from e
+    learner.load_state_dict(saved)
+    torch.set_rng_state(rng[0])
+    if cuda:
+        torch.cuda.set_rng_state_all(rng[1])
+
+
 # =======================================================================================
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
 
@@ -678,7 +724,11 @@ def train(args: Args, resume: dict | None = None) -> int:
     and evaluate or save when due. See DESIGN.md for the schedule.
     """
     stop = StopRequest()
-    run = Training(args)
+    try:
+        run = Training(args)
+    except ArgsError as e:  # (--compile: its warm-up failed)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     status, exit_code = "failed", 1
     try:
         run.start(resume)
@@ -735,12 +785,14 @@ class Training:
             torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.rng = np.random.default_rng(args.seed)
+        self.dims = env_dims(args.env)
+        self.learner = Learner(args, *self.dims, self.device)
+        if args.compile:
+            warm_up(self.learner, *self.dims[:2])
         self.run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                         f"{time.strftime('%Y%m%d-%H%M%S')}")
         os.makedirs(self.run_dir, exist_ok=True)
         self.writer = make_writer(args, self.run_dir)
-        self.dims = env_dims(args.env)
-        self.learner = Learner(args, *self.dims, self.device)
         self.collectors = None
         # what a checkpoint must carry besides the networks to continue the loop exactly;
         # floor: env-local steps below it hold no data (after a resume without the replay)
@@ -764,9 +816,12 @@ class Training:
         self.ws.publish(self.learner.actor, self.loop["version"])
         self.collectors.start(make_env, Explorer, starts)
         self.episodes_seen = [0] * args.num_collectors
-        self.sample = Sampler(self.rb, self.rng, self.device,
-                              args.batch_size * args.updates_per_iter, args.n_step,
-                              args.gamma, pinned=args.prefetch)
+        rows = args.batch_size * args.updates_per_iter
+        if args.replay_mirror:
+            self.sample = Mirror(self.rb, self.rng, self.device, rows, args.n_step, args.gamma)
+        else:
+            self.sample = Sampler(self.rb, self.rng, self.device, rows, args.n_step,
+                                  args.gamma, pinned=args.prefetch)
         self.next_save = next_multiple(self.loop["global_step"], args.save_interval)
         self.next_eval = next_multiple(self.loop["global_step"], args.eval_interval)
         self.written = self.loop["normalized_upto"]
@@ -1169,7 +1224,8 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
     given = {k: v for k, v in vars(args).items() if v != defaults[k]}
-    for key in ("device", "compile", "amp", "prefetch", "cudagraphs", "learner_threads"):
+    for key in ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
+                "learner_threads"):
         saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
     for key in RESUME_FIXED:
         if key in given and key != "env" and given[key] != saved[key]:

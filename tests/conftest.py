@@ -38,7 +38,8 @@ def no_shm_leak():
     assert not left, f"shared memory left behind: {left}"
 
 
-def run_script(script: str, *flags: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_script(script: str, *flags: str, timeout: float = 300, env: dict | None = None,
+               **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env, **kw)

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import math
 import multiprocessing as mp
@@ -262,3 +263,37 @@ def test_non_finite_loss_stops_every_rank_that_agrees():
     # a rank whose own losses are finite stops when another rank's were not
     with pytest.raises(fs.Diverged, match="on another rank"):
         fs.check_finite(finite, 100, 10, agree=lambda bad: True)
+
+
+def test_compile_warm_up_leaves_no_trace():
+    """--compile's warm-up update compiles both losses but puts back the networks, the
+    optimizers, the update count and the random state."""
+    import torch._dynamo.utils
+
+    torch.manual_seed(0)
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", critic_hidden=32,
+                                   actor_hidden=32, num_atoms=11, batch_size=16, compile=True))
+    learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
+                         torch.device("cpu"))
+    before, rng = copy.deepcopy(learner.state_dict()), torch.get_rng_state()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    fs.warm_up(learner, 3, 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 2
+    after = learner.state_dict()
+    assert torch.equal(torch.get_rng_state(), rng) and after["num_updates"] == 0
+    for key in ("actor", "critics", "critics_target"):
+        assert all(torch.equal(before[key][k], v) for k, v in after[key].items()), key
+    assert all(not after[opt]["state"] for opt in ("actor_opt", "critic_opt", "alpha_opt"))
+
+
+def test_replay_mirror_that_does_not_fit_is_refused(monkeypatch):
+    """On a CUDA machine the mirror's size is checked against the GPU's free memory before
+    anything starts (this machine has no GPU: its free memory is what the test says)."""
+    args = fs.Args(env="Humanoid", device="cpu", num_envs=32, buffer_size=1_000_000,
+                   batch_size=4096, updates_per_iter=32)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: (2 * 2**30, 80 * 2**30))
+    with pytest.raises(fs.ArgsError, match=r"needs 2\.7 GiB .* 0\.7 GiB for samples, but 2\.0 "
+                       r"GiB are free.*--replay-mirror False"):
+        fs.check_mirror_fits(args, 348, 17)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: (4 * 2**30, 80 * 2**30))
+    fs.check_mirror_fits(args, 348, 17)  # fits

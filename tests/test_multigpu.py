@@ -28,7 +28,7 @@ def test_two_ranks_train_with_identical_parameters(mode, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL,
                           "--total-timesteps", "1000", "--sync-mode", mode, "--run-dir", run_dir,
-                          "--prefetch", "True"],
+                          "--prefetch", "True", "--replay-mirror", "True"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-4000:]
     s = summary(run_dir)
@@ -57,7 +57,8 @@ def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
     procs = [subprocess.Popen(
         [*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
          "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, *SMALL,
-         "--total-timesteps", "1000", "--sync-mode", "pipelined", "--run-dir", run_dir],
+         "--total-timesteps", "1000", "--sync-mode", "pipelined", "--run-dir", run_dir,
+         "--replay-mirror", "True"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         for node in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]

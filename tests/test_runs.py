@@ -46,10 +46,12 @@ FAULT_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
 def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_leak):
-    """Also with --prefetch in the second run: gathering the next batch early changes when
-    it is gathered, never what."""
-    params = []
-    for name, extra in (("a", []), ("b", ["--prefetch", "True"])):
+    """Also with the GPU data path in the second run: sampling from the replay mirror (on
+    the CPU device here) draws the same rows as the host sampler, bit for bit, and
+    gathering the next batch early (--prefetch, pipelined only) changes when it is
+    gathered, never what."""
+    params, fast = [], ["--replay-mirror", "True", "--prefetch", str(mode == "pipelined")]
+    for name, extra in (("a", []), ("b", fast)):
         run_dir = str(tmp_path / name)
         res = run_script(script, *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
                          "--run-dir", run_dir, *extra)
@@ -57,6 +59,7 @@ def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_lea
         assert "final eval" in res.stdout
         params.append(check_run_dir(run_dir, mode, script))
     a, b = params
+    assert b["args"]["replay_mirror"] and not a["args"]["replay_mirror"]
     assert a["num_updates"] == b["num_updates"]
     for net in ("actor", "critics"):
         for key in a[net]:
@@ -229,3 +232,17 @@ def test_fast_path_flags_train_on_cpu(script, tmp_path, no_shm_leak):
     assert res.returncode == 0, res.stderr[-3000:]
     ckpt = check_run_dir(run_dir, "pipelined", script)
     assert ckpt["args"]["compile"] and ckpt["args"]["amp"] and ckpt["args"]["prefetch"]
+
+
+def test_compile_failure_stops_before_anything_starts(tmp_path, no_shm_leak):
+    """--compile fails in its warm-up update, before the collectors, the shared memory or
+    the run dir exist, naming the way out. The failure is real: inductor is given no
+    working C++ compiler (and an empty cache, so that it has to compile)."""
+    run_dir = tmp_path / "run"
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--compile", "True",
+                     "--run-dir", str(run_dir), timeout=120,
+                     env={"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ic")})
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "--compile failed in the warm-up update" in res.stderr
+    assert "run with --compile False" in res.stderr and "Traceback" not in res.stderr
+    assert not run_dir.exists()
