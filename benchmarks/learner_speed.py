@@ -55,6 +55,10 @@ class Bench:
     """timings per setting; the median is reported"""
     out: str = "benchmarks/learner_speed.json"
     """where the JSON goes"""
+    recipe: bool = False
+    """time only fast_sac.py's own defaults for --device (its recipe's batch, updates per
+    iteration and widths, its fast-path flags): the isolated rate that a run's in-run
+    updates/s is compared with (learner_efficiency)"""
 
 
 def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
@@ -62,14 +66,20 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
     flags = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
              "compile": dict(compile=True, amp=cuda), "cudagraphs": dict(
                  compile=True, amp=cuda, cudagraphs=True)}[mode]
-    args = fast_sac.resolve_args(fast_sac.Args(
+    return time_learner(b, fast_sac.resolve_args(fast_sac.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
         actor_hidden=hidden, critic_hidden=hidden, buffer_size=max(1_000_000, 2 * batch),
-        prefetch=False, **flags), check_shm=False)  # (no replay buffer is created here)
+        prefetch=False, **flags), check_shm=False))  # (no replay buffer is created here)
+
+
+def time_learner(b: Bench, args) -> list[float]:
+    """Updates/s of `args`'s learner, --repeats timings of --iterations iterations."""
+    cuda = b.device == "cuda"
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     device = torch.device(b.device)
     learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, device)
-    n = batch * b.updates_per_iter
+    batch = args.batch_size
+    n = batch * args.updates_per_iter
     g = torch.Generator(device=device).manual_seed(0)
     batch_data = {
         "obs": torch.randn(n, obs_dim, device=device, generator=g),
@@ -92,7 +102,7 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
         for _ in range(b.iterations):
             metrics = learner.train_iteration(batch_data)
         sync()
-        rates.append(b.iterations * b.updates_per_iter / (time.perf_counter() - t0))
+        rates.append(b.iterations * args.updates_per_iter / (time.perf_counter() - t0))
     assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
     return rates
 
@@ -100,6 +110,17 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
 def main(b: Bench) -> None:
     if b.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu")
+    if b.recipe:
+        args = fast_sac.resolve_args(fast_sac.Args(env=b.env, device=b.device, prefetch=False),
+                                     check_shm=False)
+        rates = time_learner(b, args)
+        result = {"recipe": {k: getattr(args, k) for k in (
+            "batch_size", "updates_per_iter", "actor_hidden", "critic_hidden", "compile", "amp")},
+            "updates_per_s": float(np.median(rates)), "runs": rates}
+        print(json.dumps(result))
+        with open(b.out, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     rows = []
     for threads in b.threads:
         if threads:

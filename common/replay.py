@@ -208,39 +208,39 @@ def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def sample_buffers(rows: int, obs_dim: int, act_dim: int, device, pinned: bool = False):
+    """Two sets of batch tensors to gather into, in turns: a fresh large array each time
+    would cost more in page faults than the gather itself (measured in
+    benchmarks/sample_time.py), and the set being filled is never the one in use."""
+    shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
+              "rewards": (rows,), "discounts": (rows,)}
+    return [{k: torch.empty(v, device=device, pin_memory=pinned) for k, v in shapes.items()}
+            for _ in range(2)]
+
+
 class Sampler:
     """Draws the learner's samples of `rows` n-step transitions and moves them to `device`.
 
-    With `pinned` on CUDA the rows are gathered straight into pinned host memory and copied
-    without blocking; two sets of buffers alternate, so gathering the next sample never
-    overwrites one whose copy may still be in flight.
+    The rows are gathered on the host into one of two sets of buffers, in turns; with
+    `pinned` on CUDA they are pinned and copied without blocking, and taking turns means
+    gathering the next sample never overwrites one whose copy may still be in flight.
     """
 
     def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
                  n_step: int, gamma: float, pinned: bool = False):
         self.rb, self.rng, self.device = rb, rng, device
         self.rows, self.n_step, self.gamma = rows, n_step, gamma
-        self.pinned = []
-        if pinned and device.type == "cuda":
-            obs_dim, act_dim = rb.obs.shape[-1], rb.actions.shape[-1]
-            shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim),
-                      "actions": (rows, act_dim), "rewards": (rows,), "discounts": (rows,)}
-            self.pinned = [{k: torch.empty(v, pin_memory=True) for k, v in shapes.items()}
-                           for _ in range(2)]
+        self.buffers = sample_buffers(rows, rb.obs.shape[-1], rb.actions.shape[-1], "cpu",
+                                      pinned and device.type == "cuda")
         self.turn = 0
 
     def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
-        out = None
-        if self.pinned:
-            buffers = self.pinned[self.turn]
-            self.turn ^= 1
-            out = {k: v.numpy() for k, v in buffers.items()}
-        batch = self.rb.sample(self.rng, self.rows, self.n_step, self.gamma, written, window,
-                               floor, out)
-        if self.pinned:
-            return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
-        return to_device(batch, self.device)
+        buffers = self.buffers[self.turn]
+        self.turn ^= 1
+        self.rb.sample(self.rng, self.rows, self.n_step, self.gamma, written, window, floor,
+                       {k: v.numpy() for k, v in buffers.items()})
+        return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
 
 
 class Mirror:
@@ -262,6 +262,8 @@ class Mirror:
         self.fields = {k: torch.zeros(getattr(rb, k).shape, device=device) for k in FIELDS}
         self.flat = {k: v.flatten(0, 1) for k, v in self.fields.items()}  # (views)
         self.upto = 0  # env-local steps below this that may be sampled are on the device
+        self.buffers = sample_buffers(rows, rb.obs.shape[-1], rb.actions.shape[-1], device)
+        self.turn = 0
 
     @staticmethod
     def nbytes(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> int:
@@ -287,7 +289,10 @@ class Mirror:
         flat = self.rb.draw(self.rng, self.rows, self.n_step, written, window, floor)
         flat = torch.from_numpy(flat).to(self.device)
         rewards, discounts, last = nstep(flat, self.flat, self.gamma_pow)
-        first = flat[:, 0]
-        return {"obs": self.flat["obs"][first], "actions": self.flat["actions"][first],
-                "rewards": rewards, "next_obs": self.flat["next_obs"][last],
-                "discounts": discounts}
+        batch = self.buffers[self.turn]
+        self.turn ^= 1  # (on CUDA the stream orders this gather after the last one's users)
+        for key, rows in (("obs", flat[:, 0]), ("actions", flat[:, 0]), ("next_obs", last)):
+            torch.index_select(self.flat[key], 0, rows, out=batch[key])
+        batch["rewards"].copy_(rewards)
+        batch["discounts"].copy_(discounts)
+        return batch

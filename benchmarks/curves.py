@@ -1,0 +1,257 @@
+"""Learning-curve sweep: train each (script, env, seed) in turn under a wall-time or env-step
+budget, then tabulate and plot the deterministic eval return against minutes and env steps.
+
+    python benchmarks/curves.py --scripts fast_sac fast_td3 --envs HalfCheetah-v5 Hopper-v5 \
+        --seeds 1 2 --minutes 8 --out-dir curves/
+
+Runs go to OUT/{env}__{script}__{seed}; a finished one is reused unless --rerun, an unfinished
+one is started afresh, so an interrupted sweep continues. Writes OUT/curves.md (also printed),
+OUT/curves.json and OUT/curves.png (needs matplotlib). Minutes count from each process start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot import compact  # noqa: E402
+
+MARK = "curves_run.json"  # in each run dir: how it was run; written when its budget is spent
+TAG = "eval/episodic_return"
+THRESHOLDS = {"HalfCheetah": [3000, 5000, 7000], "Hopper": [1000, 2500], "Walker2d": [1000, 3000],
+              "Ant": [1000, 3000], "Humanoid": [1000, 3000, 5000], "Pendulum": [-1000, -300]}
+
+
+@dataclass
+class Curves:
+    scripts: list[str] = field(default_factory=lambda: ["fast_sac", "fast_td3"])
+    envs: list[str] = field(default_factory=lambda: ["HalfCheetah-v5"])
+    seeds: list[int] = field(default_factory=lambda: [1])
+    minutes: float | None = None
+    """wall-time budget per run; the run is stopped with SIGINT (it checkpoints, exits 130)"""
+    steps: int | None = None
+    """env-step budget per run (--total-timesteps); with --minutes, whichever comes first"""
+    eval_interval: int = 10_000
+    """env steps between evaluations, i.e. between points of a curve"""
+    extra: str = ""
+    """further arguments for every run, e.g. "--eval-episodes 3"; they override the above"""
+    thresholds: list[str] = field(default_factory=list)
+    """returns to time, ENV=R1,R2 (e.g. Hopper=1000,2500), replacing the defaults of that env
+    family (HalfCheetah=3000,5000,7000 Hopper=1000,2500 Walker2d=1000,3000 Ant=1000,3000
+    Humanoid=1000,3000,5000 Pendulum=-1000,-300)"""
+    out_dir: str = "curves"
+    rerun: bool = False
+    """run again even where a run dir has results"""
+    table_only: bool = False
+    """run nothing; tabulate and plot the run dirs already in --out-dir"""
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def run(c: Curves, script: str, env: str, seed: int, run_dir: str) -> None:
+    """One training job under the budget, unless its run dir already has results."""
+    mark = read_json(os.path.join(run_dir, MARK))
+    if mark and not c.rerun:
+        other = (mark["minutes"], mark["steps"]) != (c.minutes, c.steps)
+        return print(f"reusing {run_dir}" + other * f" (ran with --minutes {mark['minutes']} "
+                     f"--steps {mark['steps']}; --rerun to run it with this budget)")
+    shutil.rmtree(run_dir, ignore_errors=True)  # old events would mix with the new ones
+    cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--env", env, "--seed", str(seed),
+           "--run-dir", run_dir, "--total-timesteps", str(c.steps or 10**10),
+           "--eval-interval", str(c.eval_interval), *shlex.split(c.extra)]
+    print(f"\n=== {env} {script} seed {seed}: {shlex.join(cmd)}", flush=True)
+    t_start, budget_spent = time.time(), False
+    proc = subprocess.Popen(cmd)
+    try:
+        proc.wait(timeout=c.minutes * 60 if c.minutes else None)
+    except subprocess.TimeoutExpired:
+        budget_spent = True
+    finally:  # the budget is spent, or this sweep was interrupted (Ctrl-C, SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # (only the learner: its collectors follow it)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    status = read_json(os.path.join(run_dir, "summary.json")).get("status")
+    if not (budget_spent or status in ("completed", "diverged")):
+        print(f"{run_dir} exited {proc.returncode} (status {status}); it runs again next time")
+        return
+    with open(os.path.join(run_dir, MARK), "w") as f:
+        json.dump({"cmd": cmd, "t_start": t_start, "wall_s": round(time.time() - t_start, 1),
+                   "returncode": proc.returncode, "status": status, "minutes": c.minutes,
+                   "steps": c.steps}, f, indent=2)
+
+
+def load(run_dir: str) -> dict | None:
+    """A run's eval curve (env steps, minutes since its process start, returns) and the env
+    steps it reached; None when it logged nothing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not os.path.isdir(run_dir):
+        return None
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    if not (tags := events.Tags()["scalars"]):
+        return None
+    t0 = read_json(os.path.join(run_dir, MARK)).get("t_start") or events.FirstEventTimestamp()
+    points = events.Scalars(TAG) if TAG in tags else []
+    summary = read_json(os.path.join(run_dir, "summary.json"))
+    return {"steps": np.array([p.step for p in points]),
+            "minutes": np.array([(p.wall_time - t0) / 60 for p in points]),
+            "returns": np.array([p.value for p in points]),
+            "reached": max([summary.get("total_env_steps", 0)]
+                           + [events.Scalars(t)[-1].step for t in tags])}
+
+
+def stats(runs: list[dict], thr: list[float]) -> dict:
+    """Per-seed figures of one (env, script): steps reached, final and best eval return, and
+    minutes to the first eval at or above each threshold (None: none, or not reached)."""
+    def first(r, x):
+        return float(r["minutes"][np.argmax(r["returns"] >= x)]) if (r["returns"] >= x).any() \
+            else None
+    return {"seeds": [r["seed"] for r in runs], "env_steps": [int(r["reached"]) for r in runs],
+            "final_eval": [float(r["returns"][-1]) if len(r["returns"]) else None for r in runs],
+            "best_eval": [float(r["returns"].max()) if len(r["returns"]) else None for r in runs],
+            "minutes_to": {f"{x:g}": [first(r, x) for r in runs] for x in thr}}
+
+
+def cell(values: list, fmt: str) -> str:
+    """Median over seeds, then the per-seed values; k/n when only k seeds have one."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return "-"
+    show = (lambda v: compact(float(f"{v:.3g}"))) if fmt == "steps" else fmt.format
+    head = show(float(np.median(have))) if len(have) == len(values) else \
+        f"{len(have)}/{len(values)}"
+    seeds = ", ".join("-" if v is None else show(v) for v in values)
+    return head + (f" ({seeds})" if len(values) > 1 else "")
+
+
+def table(c: Curves, curves: dict, thresholds: dict) -> tuple[str, list[dict]]:
+    budget = " and ".join(f"--{k} {v}" for k, v in (("minutes", c.minutes), ("steps", c.steps))
+                          if v is not None) or "as run"
+    lines, rows = [f"Eval return ({TAG}): median over seeds (per-seed values); final = last "
+                   f"eval; minutes from process start; budget {budget}.", ""], []
+    for env in c.envs:
+        thr = thresholds.get(family(env), [])
+        lines += [f"### {env}", "", "| script | seeds | env steps | final eval | best eval |"
+                  + "".join(f" min to {x:g} |" for x in thr), "|---" * (5 + len(thr)) + "|"]
+        for script in c.scripts:
+            if runs := [r for s in c.seeds if (r := curves.get((env, script, s)))]:
+                row = {"env": env, "script": script} | stats(runs, thr)
+                rows.append(row)
+                lines.append(f"| {script} | {len(runs)} | {cell(row['env_steps'], 'steps')} | "
+                             f"{cell(row['final_eval'], '{:.0f}')} | "
+                             f"{cell(row['best_eval'], '{:.0f}')} |"
+                             + "".join(f" {cell(v, '{:.1f}')} |"
+                                       for v in row["minutes_to"].values()))
+        lines.append("")
+    return "\n".join(lines), rows
+
+
+def draw(c: Curves, curves: dict, thresholds: dict, path: str) -> None:
+    """Eval return against minutes (top row) and env steps (bottom), one column per env:
+    each seed a thin line, the median over seeds (where they all have points) a thick one."""
+    try:
+        import matplotlib
+    except ImportError:
+        return print("no curves.png: matplotlib is not installed (pip install matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(2, len(c.envs), figsize=(4.5 * len(c.envs), 7), squeeze=False)
+    for col, env in enumerate(c.envs):
+        for ax, x in zip(axes[:, col], ("minutes", "steps")):
+            for i, script in enumerate(c.scripts):
+                runs = [r for s in c.seeds if (r := curves.get((env, script, s)))
+                        and len(r["returns"])]
+                n, colour = len(runs), f"C{i}"
+                for r in runs:
+                    ax.plot(r[x], r["returns"], color=colour, lw=0.8 if n > 1 else 2.2,
+                            alpha=0.4 if n > 1 else 1)
+                lo = max((r[x][0] for r in runs), default=0)
+                hi = min((r[x][-1] for r in runs), default=0)
+                if n > 1 and lo < hi:
+                    grid = np.linspace(lo, hi, 200)
+                    curve = np.median([np.interp(grid, r[x], r["returns"]) for r in runs], 0)
+                    ax.plot(grid, curve, color=colour, lw=2.2)
+                if n:  # (the legend's entry)
+                    ax.plot([], [], color=colour, lw=2.2, label=f"{script} ({n} seeds)")
+            for y in thresholds.get(family(env), []):
+                ax.axhline(y, color="grey", lw=0.6, ls=":")
+            ax.set_xlabel("wall time (minutes)" if x == "minutes" else "env steps")
+            ax.xaxis.set_major_formatter(FuncFormatter(compact))
+            ax.grid(alpha=0.3)
+        axes[0, col].set_title(env)
+        if axes[0, col].get_legend_handles_labels()[0]:
+            axes[0, col].legend(fontsize=8)
+    axes[0, 0].set_ylabel("eval return")
+    axes[1, 0].set_ylabel("eval return")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def family(env: str) -> str:
+    return env.split("-v")[0]
+
+
+def main(c: Curves) -> None:
+    if not (c.minutes or c.steps or c.table_only):
+        raise SystemExit("give a budget: --minutes, --steps or both (or --table-only)")
+    thresholds = dict(THRESHOLDS)
+    for spec in c.thresholds:
+        env, _, values = spec.partition("=")
+        thresholds[family(env)] = [float(v) for v in values.split(",") if v]
+    c.scripts = [s.removesuffix(".py") for s in c.scripts]
+    os.makedirs(c.out_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops the running job too
+    curves = {}
+    try:
+        for env in c.envs:
+            for script in c.scripts:
+                for seed in c.seeds:
+                    run_dir = os.path.join(c.out_dir, f"{env}__{script}__{seed}")
+                    if not c.table_only:
+                        run(c, script, env, seed, run_dir)
+                    if (curve := load(run_dir)) is not None:
+                        curves[env, script, seed] = curve | {"seed": seed}
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: run the same command again to continue") from None
+    text, rows = table(c, curves, thresholds)
+    print("\n" + text)
+    with open(os.path.join(c.out_dir, "curves.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(c.out_dir, "curves.json"), "w") as f:
+        json.dump({"args": vars(c), "rows": rows, "thresholds": {
+            family(e): thresholds.get(family(e), []) for e in c.envs}}, f, indent=2)
+    draw(c, curves, thresholds, os.path.join(c.out_dir, "curves.png"))
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--extra" in argv[:-1]:  # tyro would take a value such as "--eval-episodes 3" for a flag
+        i = argv.index("--extra")
+        argv[i:i + 2] = [f"--extra={argv[i + 1]}"]
+    main(tyro.cli(Curves, args=argv))
