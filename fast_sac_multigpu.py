@@ -85,7 +85,10 @@ class Args:
     alpha_init: float = 0.1
     """initial entropy temperature"""
     target_entropy: float | None = None
-    """entropy the temperature steers towards (default: -action_dim / 2)"""
+    """entropy the temperature steers the policy towards, in nats per action dimension with
+    the actions measured in the [-1, 1] box, so that it means the same on every action
+    range (a uniform policy has 0.69); None: per env family, -0.5 but 0.42 on the
+    Humanoids (TARGET_ENTROPY; README: Entropy target)"""
     log_std_min: float = -5.0
     """lower bound of the actor's log standard deviation"""
     log_std_max: float = 1.0
@@ -184,14 +187,23 @@ class Args:
 
 
 # Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
-# returns the task can produce, about reward_per_step / (1 - gamma).
+# returns the task can produce, about reward_per_step / (1 - gamma): with 1000-step episodes
+# and gamma 0.99 a tenth of the episode return. v_max leaves room above the best published
+# returns (HalfCheetah 15-17k, Humanoid 10-12k, Ant and Walker2d 6-8k, Hopper 4k) and the
+# entropy bonus, so that the projection does not clamp the values of good actions.
 VALUE_RANGES = {
-    "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 1500.0), "Humanoid": (-100.0, 1000.0),
-    "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 500.0), "Walker2d": (-100.0, 700.0),
-    "Ant": (-200.0, 800.0), "Swimmer": (-50.0, 200.0), "InvertedPendulum": (0.0, 110.0),
+    "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
+    "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
+    "Ant": (-200.0, 1200.0), "Swimmer": (-50.0, 200.0), "InvertedPendulum": (0.0, 110.0),
     "InvertedDoublePendulum": (0.0, 1000.0), "Reacher": (-100.0, 0.0), "Pusher": (-200.0, 0.0),
 }
 DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
+
+# --target-entropy's default per env family, in nats per action dimension with the actions
+# in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (README: Entropy target):
+# the Humanoids learn sooner with a wide policy, the others with a narrower one.
+TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
+DEFAULT_TARGET_ENTROPY = -0.5
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=256)
@@ -272,6 +284,8 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     args = dataclasses.replace(args, env=env_id, device=device, **filled,
                                v_min=v_min if args.v_min is None else args.v_min,
                                v_max=v_max if args.v_max is None else args.v_max)
+    if args.target_entropy is None:
+        args.target_entropy = TARGET_ENTROPY.get(family, DEFAULT_TARGET_ENTROPY)
 
     for field in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "steps_per_iter",
                   "updates_per_iter", "actor_hidden", "critic_hidden", "policy_frequency",
@@ -488,6 +502,11 @@ class Critics(nn.Module):
             layers += [EnsembleLinear(k, a, b), EnsembleLayerNorm(k, b), nn.SiLU()]
         self.net = nn.Sequential(*layers, EnsembleLinear(k, sizes[-1], num_atoms))
         self.register_buffer("support", torch.linspace(v_min, v_max, num_atoms))
+        with torch.no_grad():  # start at values near 0 (clamped into the support) rather
+            # than at the support's midpoint, an optimistic guess when v_max has headroom
+            width = (v_max - v_min) / 10
+            self.net[-1].bias.copy_(-0.5 * ((self.support - min(max(0.0, v_min), v_max))
+                                            / width) ** 2)
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, action], -1)
@@ -579,8 +598,10 @@ class Learner:
         self.critics_target.requires_grad_(False)
         self.log_alpha = torch.tensor(math.log(args.alpha_init), device=device,
                                       requires_grad=True)
-        self.target_entropy = (-act_dim / 2 if args.target_entropy is None
-                               else args.target_entropy)
+        # log_prob is in env units: it includes log|d action / d box| = sum(log(scale))
+        self.log_scale = float(np.log((np.asarray(high) - np.asarray(low)) / 2).sum())
+        self.target_entropy = act_dim * args.target_entropy + self.log_scale
+        self.act_dim = act_dim
         betas = (0.9, 0.95)
         # one fused kernel per optimizer step on CUDA; multi-tensor (foreach) ops on CPU
         fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
@@ -633,28 +654,31 @@ class Learner:
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
-    def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+    def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         actions, log_prob = self.actor.sample(obs)
-        q = self.critics.q_values(obs, actions).min(0).values
-        return (self.log_alpha.detach().exp() * log_prob.float() - q.float()).mean(), \
-            log_prob.detach()
+        q = self.critics.q_values(obs, actions).min(0).values.float()
+        return (self.log_alpha.detach().exp() * log_prob.float() - q).mean(), \
+            log_prob.detach(), q.detach().mean()
 
-    def update_actor(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update_actor(self, obs) -> dict[str, torch.Tensor]:
         self.critics.requires_grad_(False)
         with self.autocast():
-            actor_loss, log_prob = self.actor_loss_fn(obs)
+            actor_loss, log_prob, q_value = self.actor_loss_fn(obs)
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         D.allreduce_grads_(self.actor.parameters(), self.info)
         self.actor_opt.step()
         self.critics.requires_grad_(True)
-        actor_loss = actor_loss.detach().clone()  # (see update_critic)
+        metrics = {"actor_loss": actor_loss.detach().clone(),  # (see update_critic)
+                   "qf_value": q_value.clone(),  # the actor's Q: how close to --v-max
+                   # in the units of --target-entropy (per dimension, [-1, 1] box)
+                   "entropy": -(log_prob.float().mean() + self.log_scale) / self.act_dim}
         alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
         self.alpha_opt.zero_grad(set_to_none=True)
         alpha_loss.backward()
         D.allreduce_grads_([self.log_alpha], self.info)
         self.alpha_opt.step()
-        return actor_loss.detach(), alpha_loss.detach()
+        return metrics | {"alpha_loss": alpha_loss.detach()}
 
     def train_iteration(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`updates_per_iter` updates on consecutive mini-batches of one large sample.
@@ -665,22 +689,19 @@ class Learner:
         args = self.args
         norm = self.actor.normalizer
         obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
-        qf_losses, actor_losses, alpha_losses = [], [], []
+        qf_losses, actor_metrics = [], []
         for mb in torch.arange(obs.shape[0], device=obs.device).split(args.batch_size):
             qf_losses.append(self.update_critic(obs[mb], batch["actions"][mb],
                                                 batch["rewards"][mb], next_obs[mb],
                                                 batch["discounts"][mb]))
             self.num_updates += 1
             if self.num_updates % args.policy_frequency == 0:
-                actor_loss, alpha_loss = self.update_actor(obs[mb])
-                actor_losses.append(actor_loss)
-                alpha_losses.append(alpha_loss)
+                actor_metrics.append(self.update_actor(obs[mb]))
             with torch.no_grad():  # else every lerp joins an ever-growing autograd graph
                 torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
         out = {"qf_loss": torch.stack(qf_losses).mean(), "alpha": self.log_alpha.detach().exp()}
-        if actor_losses:
-            out["actor_loss"] = torch.stack(actor_losses).mean()
-            out["alpha_loss"] = torch.stack(alpha_losses).mean()
+        for key in actor_metrics[0] if actor_metrics else ():
+            out[key] = torch.stack([m[key] for m in actor_metrics]).mean()
         return out
 
     def all_finite(self) -> bool:
