@@ -714,15 +714,14 @@ def warm_up(learner, obs_dim: int, act_dim: int) -> None:
     saved = copy.deepcopy(learner.state_dict())
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
-    rows, device = learner.args.batch_size * learner.args.policy_frequency, learner.device
-    batch = {"obs": torch.zeros(rows, obs_dim, device=device), "rewards": torch.zeros(rows,
-             device=device), "actions": torch.zeros(rows, act_dim, device=device),
-             "next_obs": torch.zeros(rows, obs_dim, device=device),
-             "discounts": torch.ones(rows, device=device)}
+    rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
+    shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
+              "rewards": (rows,), "discounts": (rows,)}
+    batch = {k: torch.zeros(shape, device=learner.device) for k, shape in shapes.items()}
     try:
         learner.train_iteration(batch)
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(learner.device)
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0][:300]
         raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
