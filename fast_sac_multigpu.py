@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from common import dist as D
 from common.collectors import CollectorError, Collectors, async_window_chunks
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
-from common.replay import Mirror, ReplayBuffer, Sampler
+from common.replay import Mirror, ReplayBuffer, Sampler, batch_shapes
 from common.shm import check_shm_space
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
@@ -223,7 +223,8 @@ def check_mirror_fits(args: Args, obs_dim: int, act_dim: int) -> None:
     """--replay-mirror on CUDA: the mirror and two samples must fit in this process's GPU
     (torchrun's local rank), next to what the networks need."""
     mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
-    sample = args.batch_size * args.updates_per_iter * (2 * obs_dim + act_dim + 2) * 4
+    shapes = batch_shapes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
+    sample = 4 * sum(math.prod(shape) for shape in shapes.values())  # (float32)
     free = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
     if mirror + 2 * sample > free:
         raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "
@@ -736,9 +737,8 @@ def warm_up(learner, obs_dim: int, act_dim: int) -> None:
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
-    shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
-              "rewards": (rows,), "discounts": (rows,)}
-    batch = {k: torch.zeros(shape, device=learner.device) for k, shape in shapes.items()}
+    batch = {k: torch.zeros(shape, device=learner.device)
+             for k, shape in batch_shapes(rows, obs_dim, act_dim).items()}
     try:
         learner.train_iteration(batch)
         if cuda:

@@ -208,12 +208,17 @@ def to_device(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def batch_shapes(rows: int, obs_dim: int, act_dim: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of a sample of `rows` n-step transitions (all float32)."""
+    return {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
+            "rewards": (rows,), "discounts": (rows,)}
+
+
 def sample_buffers(rows: int, obs_dim: int, act_dim: int, device, pinned: bool = False):
     """Two sets of batch tensors to gather into, in turns: a fresh large array each time
     would cost more in page faults than the gather itself (measured in
     benchmarks/sample_time.py), and the set being filled is never the one in use."""
-    shapes = {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
-              "rewards": (rows,), "discounts": (rows,)}
+    shapes = batch_shapes(rows, obs_dim, act_dim)
     return [{k: torch.empty(v, device=device, pin_memory=pinned) for k, v in shapes.items()}
             for _ in range(2)]
 
@@ -267,7 +272,9 @@ class Mirror:
 
     @staticmethod
     def nbytes(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> int:
-        return num_envs * capacity * (2 * obs_dim + act_dim + 3) * 4
+        """Device memory of a mirror of a buffer of this shape (its fields, not `written`)."""
+        specs = _specs(num_envs, capacity, obs_dim, act_dim)
+        return nbytes_of({k: specs[k] for k in FIELDS})
 
     def update(self, written: int, window: int, floor: int) -> None:
         """Copy env-local steps [upto, written) of every env, except those below the
