@@ -88,6 +88,9 @@ class Args:
     """lower bound of the actor's log standard deviation"""
     log_std_max: float = 1.0
     """upper bound of the actor's log standard deviation"""
+    use_cdq: bool = True
+    """clipped double Q: the target and the actor's objective use the critic with the lower
+    value; off: the average of both critics (distributions for the target)"""
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
     v_min: float | None = None
@@ -621,7 +624,10 @@ class Learner:
             # (under --amp only the layers run in bf16: distributions are float32)
             next_probs = self.critics_target(next_obs, next_actions).float().softmax(-1)
             support = self.critics_target.support  # next_probs: [2, B, N]
-            chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
+            if self.args.use_cdq:
+                chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
+            else:
+                chosen = next_probs.mean(0)
             # the entropy bonus shifts every atom, so it is folded in before projecting
             target = project(chosen, rewards - discounts * alpha * next_log_prob.float(),
                              discounts, support)
@@ -638,7 +644,8 @@ class Learner:
 
     def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         actions, log_prob = self.actor.sample(obs)
-        q = self.critics.q_values(obs, actions).min(0).values.float()
+        q = self.critics.q_values(obs, actions)
+        q = (q.min(0).values if self.args.use_cdq else q.mean(0)).float()
         return (self.log_alpha.detach().exp() * log_prob.float() - q).mean(), \
             log_prob.detach(), q.detach().mean()
 

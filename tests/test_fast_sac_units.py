@@ -307,3 +307,29 @@ def test_target_entropy_and_logged_entropy_are_per_dimension_in_the_box():
     box_entropy = -log_prob.mean().item() - math.log(2)
     assert learner.update_actor(obs)["entropy"].item() == pytest.approx(box_entropy, abs=0.1)
     assert {"entropy", "qf_value", "alpha", "actor_loss"} <= set(metrics)
+
+
+@pytest.mark.parametrize("use_cdq", [True, False])
+def test_critic_target_and_actor_objective_follow_use_cdq(use_cdq):
+    """Two critics that disagree (one says 6, the other -6): with CDQ the critic trains
+    towards the lower one and the actor sees the lower one; without, both see the average."""
+    torch.manual_seed(0)
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", use_cdq=use_cdq,
+                                   critic_hidden=32, actor_hidden=32, num_atoms=11,
+                                   v_min=-10.0, v_max=10.0, critic_lr=1e-2, alpha_init=1e-6))
+    args = dataclasses.replace(args, tau=0.0)  # keep the target fixed
+    learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32),
+                         np.array([2.0], np.float32), torch.device("cpu"))
+    with torch.no_grad():
+        for p in learner.critics_target.parameters():
+            p.zero_()
+        learner.critics_target.net[-1].bias[0, 0, 8] = 50.0  # critic 0: 6.0 (atom 8)
+        learner.critics_target.net[-1].bias[1, 0, 2] = 50.0  # critic 1: -6.0
+    obs, actions = torch.randn(64, 3), torch.rand(64, 1) * 4 - 2
+    for _ in range(200):  # (alpha ~ 0: the entropy bonus does not move the target)
+        learner.update_critic(obs, actions, torch.zeros(64), obs, torch.ones(64))
+    q = learner.critics.q_values(obs, actions).mean().item()
+    assert q == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.5)
+    learner.critics.load_state_dict(learner.critics_target.state_dict())
+    _, _, q_actor = learner.actor_loss(obs)
+    assert q_actor.item() == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.01)
