@@ -113,12 +113,14 @@ def load(run_dir: str) -> dict | None:
     events.Reload()
     if not (tags := events.Tags()["scalars"]):
         return None
-    t0 = read_json(os.path.join(run_dir, MARK)).get("t_start") or events.FirstEventTimestamp()
+    mark = read_json(os.path.join(run_dir, MARK))
+    t0 = mark.get("t_start") or events.FirstEventTimestamp()
     points = events.Scalars(TAG) if TAG in tags else []
     summary = read_json(os.path.join(run_dir, "summary.json"))
     return {"steps": np.array([p.step for p in points]),
             "minutes": np.array([(p.wall_time - t0) / 60 for p in points]),
             "returns": np.array([p.value for p in points]),
+            "budget": describe(mark.get("minutes"), mark.get("steps")),
             "reached": max([summary.get("total_env_steps", 0)]
                            + [events.Scalars(t)[-1].step for t in tags])}
 
@@ -147,14 +149,19 @@ def cell(values: list, fmt: str) -> str:
     return head + (f" ({seeds})" if len(values) > 1 else "")
 
 
+def describe(minutes: float | None, steps: int | None) -> str:
+    return " and ".join(f"--{k} {v:g}" for k, v in (("minutes", minutes), ("steps", steps))
+                        if v is not None) or "none"
+
+
 def table(c: Curves, curves: dict, thresholds: dict) -> tuple[str, list[dict]]:
-    budget = " and ".join(f"--{k} {v}" for k, v in (("minutes", c.minutes), ("steps", c.steps))
-                          if v is not None) or "as run"
     lines, rows = [f"Eval return ({TAG}): median over seeds (per-seed values); final = last "
-                   f"eval; minutes from process start; budget {budget}.", ""], []
+                   "eval; minutes from process start.", ""], []
     for env in c.envs:
         thr = thresholds.get(family(env), [])
-        lines += [f"### {env}", "", "| script | seeds | env steps | final eval | best eval |"
+        budgets = sorted({r["budget"] for (e, *_), r in curves.items() if e == env})
+        lines += [f"### {env}", "", f"Budget per run: {'; '.join(budgets) or '-'}.", "",
+                  "| script | seeds | env steps | final eval | best eval |"
                   + "".join(f" min to {x:g} |" for x in thr), "|---" * (5 + len(thr)) + "|"]
         for script in c.scripts:
             if runs := [r for s in c.seeds if (r := curves.get((env, script, s)))]:
