@@ -72,8 +72,9 @@ class Args:
     """discount factor"""
     tau: float = 0.01
     """soft target update rate: target <- target + tau * (online - target)"""
-    n_step: int = 3
-    """n-step returns; sums stop at episode ends"""
+    n_step: int = 1
+    """n-step returns; sums stop at episode ends (1 learned sooner than 3 on HalfCheetah and
+    Humanoid: README, Recipe choices)"""
     actor_lr: float = 3e-4
     """actor learning rate (AdamW)"""
     critic_lr: float = 3e-4
