@@ -204,7 +204,8 @@ def draw(c: Curves, curves: dict, thresholds: dict, path: str) -> None:
                     curve = np.median([np.interp(grid, r[x], r["returns"]) for r in runs], 0)
                     ax.plot(grid, curve, color=colour, lw=2.2)
                 if n:  # (the legend's entry)
-                    ax.plot([], [], color=colour, lw=2.2, label=f"{script} ({n} seeds)")
+                    seeds = f"{n} seed" + "s" * (n > 1)
+                    ax.plot([], [], color=colour, lw=2.2, label=f"{script} ({seeds})")
             for y in thresholds.get(family(env), []):
                 ax.axhline(y, color="grey", lw=0.6, ls=":")
             ax.set_xlabel("wall time (minutes)" if x == "minutes" else "env steps")
