@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from common.collectors import CollectorError, Collectors, async_window_chunks
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
-from common.replay import Mirror, ReplayBuffer, Sampler, batch_shapes
+from common.replay import Mirror, ReplayBuffer, Sampler, batch_nbytes, batch_shapes
 from common.shm import check_shm_space
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
@@ -205,8 +205,7 @@ def check_mirror_fits(args: Args, obs_dim: int, act_dim: int) -> None:
     """--replay-mirror on CUDA: the mirror and two samples must fit in this process's GPU
     (torchrun's local rank), next to what the networks need."""
     mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
-    shapes = batch_shapes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
-    sample = 4 * sum(math.prod(shape) for shape in shapes.values())  # (float32)
+    sample = batch_nbytes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
     free = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
     if mirror + 2 * sample > free:
         raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "

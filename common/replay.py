@@ -16,6 +16,7 @@ the learner and moves sampled batches to the learner's device.
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 
@@ -212,6 +213,11 @@ def batch_shapes(rows: int, obs_dim: int, act_dim: int) -> dict[str, tuple[int, 
     """The shape of each tensor of a sample of `rows` n-step transitions (all float32)."""
     return {"obs": (rows, obs_dim), "next_obs": (rows, obs_dim), "actions": (rows, act_dim),
             "rewards": (rows,), "discounts": (rows,)}
+
+
+def batch_nbytes(rows: int, obs_dim: int, act_dim: int) -> int:
+    """Bytes of one such sample (float32)."""
+    return 4 * sum(math.prod(shape) for shape in batch_shapes(rows, obs_dim, act_dim).values())
 
 
 def sample_buffers(rows: int, obs_dim: int, act_dim: int, device, pinned: bool = False):
