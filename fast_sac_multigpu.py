@@ -120,7 +120,7 @@ class Args:
     steps_per_iter: int | None = None
     """environment steps per env between learner iterations (default 8)"""
     updates_per_iter: int | None = None
-    """gradient updates per learner iteration (default 16 on CPU, 32 on GPU)"""
+    """gradient updates per learner iteration (default 8 on CPU, 32 on GPU)"""
     actor_hidden: int | None = None
     """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
     critic_hidden: int | None = None
@@ -210,7 +210,7 @@ TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
-                  steps_per_iter=8, updates_per_iter=16, actor_hidden=256, critic_hidden=256)
+                  steps_per_iter=8, updates_per_iter=8, actor_hidden=256, critic_hidden=256)
 GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=32, actor_hidden=512, critic_hidden=1024)
 
