@@ -89,9 +89,10 @@ def test_world_size_without_torchrun_is_a_clear_error(tmp_path, no_shm_leak):
 
 
 def worker_pids(agent_pid):
-    """torchrun's worker processes (they carry LOCAL_RANK in their environment)."""
+    """The ranks that the torchrun agent `agent_pid` started (its child processes, which
+    carry LOCAL_RANK in their environment): never another job's processes."""
     out = {}
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+    for pid in descendants(agent_pid):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
@@ -99,8 +100,7 @@ def worker_pids(agent_pid):
                 cmd = f.read()
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
-        if b"fast_sac_multigpu.py" in cmd and b"TORCHELASTIC_RUN_ID" in env \
-                and pid != agent_pid and b"LOCAL_RANK" in env:
+        if b"fast_sac_multigpu.py" in cmd and b"LOCAL_RANK" in env:
             out[int(env[b"LOCAL_RANK"])] = pid
     return out
 
