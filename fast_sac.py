@@ -1042,7 +1042,10 @@ class Diverged(RuntimeError):
 
 class StopRequest:
     """SIGINT and SIGTERM: the first asks for a stop after a complete checkpoint at the next
-    iteration (see `train`); a second one aborts at once (KeyboardInterrupt)."""
+    iteration (see `train`); a SIGINT after it (Ctrl-C again) aborts at once
+    (KeyboardInterrupt). A repeated SIGTERM changes nothing: on a cluster the same notice
+    comes from the scheduler and again from a launcher that forwards it (torchrun), and the
+    checkpoint it asks for is already under way."""
 
     def __init__(self):
         self.signum, self.t = None, 0.0
@@ -1050,9 +1053,10 @@ class StopRequest:
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum, self.t = signum, time.perf_counter()
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt(f"second signal {signum}")
-        self.signum, self.t = signum, time.perf_counter()
 
 
 class Interrupted(Exception):
@@ -1233,10 +1237,23 @@ RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_i
                 "v_max")
 
 
-def load_for_resume(args: Args) -> tuple[Args, dict]:
+def flags_given(argv: list[str]) -> set[str]:
+    """The Args fields named on the command line (`--total-timesteps 5`, `--x=5`, `--quiet`,
+    `--no-quiet`), whatever their values: on resume they override the saved arguments, even
+    where they equal the defaults."""
+    names, given = {f.name for f in dataclasses.fields(Args)}, set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            given.add(name if name in names else name.removeprefix("no_"))
+    return given & names
+
+
+def load_for_resume(args: Args, given: set[str]) -> tuple[Args, dict]:
     """The checkpoint named by --resume and the arguments to continue it with: the saved
-    ones, overridden by flags given now that differ from the defaults. No checkpoint (None)
-    with --resume auto and a --run-dir that has no complete one."""
+    ones, overridden by the flags given on this command line (`given`, see flags_given),
+    whatever their values. No checkpoint (None) with --resume auto and a --run-dir that has
+    no complete one."""
     auto = args.resume == "auto"
     if auto and not args.run_dir:
         raise ArgsError("--resume auto needs --run-dir: the run to continue or to start")
@@ -1250,7 +1267,7 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         print(f"--resume auto: starting fresh ({e})", file=sys.stderr, flush=True)
         return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
-    given = {k: v for k, v in vars(args).items() if v != defaults[k]}
+    given = {k: v for k, v in vars(args).items() if k in given}
     for key in ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
                 "learner_threads"):
         saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
@@ -1304,6 +1321,7 @@ def evaluate_checkpoint(args: Args) -> int:
 def main(argv=None) -> int:
     import tyro
 
+    argv = sys.argv[1:] if argv is None else argv
     args = tyro.cli(Args, args=argv)
     if args.capture_video:  # offscreen MuJoCo rendering without a display
         os.environ.setdefault("MUJOCO_GL", "egl")
@@ -1314,7 +1332,7 @@ def main(argv=None) -> int:
             return evaluate_checkpoint(args)
         resume = None
         if args.resume:
-            args, resume = load_for_resume(args)
+            args, resume = load_for_resume(args, flags_given(argv))
         if resume is not None and resume["global_step"] >= args.total_timesteps:
             print(f"the checkpoint has {resume['global_step']:,} env steps already "
                   f"(--total-timesteps {args.total_timesteps:,}): nothing to do")

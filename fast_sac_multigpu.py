@@ -63,7 +63,7 @@ class Args:
     seed: int = 1
     """seed of networks, sampling, exploration and environments"""
     total_timesteps: int = 1_000_000
-    """environment steps to collect, summed over all envs"""
+    """environment steps to collect, summed over all envs of all nodes"""
 
     # algorithm
     policy_frequency: int = 2
@@ -116,7 +116,8 @@ class Args:
     """transitions per gradient update on each rank: N ranks train on N times this many per
     update (default 256 on CPU, 4096 on GPU)"""
     learning_starts: int | None = None
-    """environment steps of uniform random actions before the first update (default 5000)"""
+    """environment steps of uniform random actions before the first update, all nodes
+    together (default 5000)"""
     steps_per_iter: int | None = None
     """environment steps per env between learner iterations (default 8)"""
     updates_per_iter: int | None = None
@@ -866,8 +867,12 @@ class Training:
         """Create the shared memory, load `resume`, publish the first weights and start the
         collectors."""
         args, (obs_dim, act_dim, low, high) = self.args, self.dims
-        # each node's envs get their own seeds
-        node_args = dataclasses.replace(args, seed=args.seed + 7919 * self.info.node_rank)
+        # each node's envs get their own seeds, and each node collects its share of the env
+        # steps (--total-timesteps and --learning-starts count all nodes together)
+        nodes = self.info.num_nodes
+        node_args = dataclasses.replace(args, seed=args.seed + 7919 * self.info.node_rank,
+                                        total_timesteps=-(-args.total_timesteps // nodes),
+                                        learning_starts=-(-args.learning_starts // nodes))
         if self.owns_node:
             self.collectors = Collectors.create(SCRIPT, node_args, self.run_dir,
                                                 make_actor(args, obs_dim, act_dim, low, high),
@@ -922,8 +927,7 @@ class Training:
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             update_normalizer(learner.actor.normalizer, new_obs, self.info)
             loop["normalized_upto"] = written
-        if (written * args.num_envs >= args.learning_starts
-                and (written - loop["floor"]) * args.num_envs >= args.learning_starts):
+        if (written - loop["floor"]) * args.num_envs * self.info.num_nodes >= args.learning_starts:
             batch = self.prefetched or self.sample(written, window, loop["floor"])
             self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
             self.prefetched = None
@@ -1144,7 +1148,10 @@ def update_normalizer(normalizer: Normalizer, x: torch.Tensor, info: D.DistInfo)
 
 class StopRequest:
     """SIGINT and SIGTERM: the first asks for a stop after a complete checkpoint at the next
-    iteration (see `train`); a second one aborts at once (KeyboardInterrupt)."""
+    iteration (see `train`); a SIGINT after it (Ctrl-C again) aborts at once
+    (KeyboardInterrupt). A repeated SIGTERM changes nothing: on a cluster the same notice
+    comes from the scheduler and again from a launcher that forwards it (torchrun), and the
+    checkpoint it asks for is already under way."""
 
     def __init__(self):
         self.signum, self.t = None, 0.0
@@ -1152,9 +1159,10 @@ class StopRequest:
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum, self.t = signum, time.perf_counter()
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt(f"second signal {signum}")
-        self.signum, self.t = signum, time.perf_counter()
 
 
 class Interrupted(Exception):
@@ -1335,10 +1343,23 @@ RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_i
                 "v_max")
 
 
-def load_for_resume(args: Args) -> tuple[Args, dict]:
+def flags_given(argv: list[str]) -> set[str]:
+    """The Args fields named on the command line (`--total-timesteps 5`, `--x=5`, `--quiet`,
+    `--no-quiet`), whatever their values: on resume they override the saved arguments, even
+    where they equal the defaults."""
+    names, given = {f.name for f in dataclasses.fields(Args)}, set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            given.add(name if name in names else name.removeprefix("no_"))
+    return given & names
+
+
+def load_for_resume(args: Args, given: set[str]) -> tuple[Args, dict]:
     """The checkpoint named by --resume and the arguments to continue it with: the saved
-    ones, overridden by flags given now that differ from the defaults. No checkpoint (None)
-    with --resume auto and a --run-dir that has no complete one."""
+    ones, overridden by the flags given on this command line (`given`, see flags_given),
+    whatever their values. No checkpoint (None) with --resume auto and a --run-dir that has
+    no complete one."""
     auto = args.resume == "auto"
     if auto and not args.run_dir:
         raise ArgsError("--resume auto needs --run-dir: the run to continue or to start")
@@ -1352,7 +1373,7 @@ def load_for_resume(args: Args) -> tuple[Args, dict]:
         print(f"--resume auto: starting fresh ({e})", file=sys.stderr, flush=True)
         return dataclasses.replace(args, resume=None), None
     saved, defaults = vars(saved_args), vars(Args())
-    given = {k: v for k, v in vars(args).items() if v != defaults[k]}
+    given = {k: v for k, v in vars(args).items() if k in given}
     for key in ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
                 "learner_threads"):
         saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
@@ -1417,6 +1438,7 @@ def evaluate_checkpoint(args: Args) -> int:
 def main(argv=None) -> int:
     import tyro
 
+    argv = sys.argv[1:] if argv is None else argv
     args = tyro.cli(Args, args=argv)
     if args.capture_video:  # offscreen MuJoCo rendering without a display
         os.environ.setdefault("MUJOCO_GL", "egl")
@@ -1427,7 +1449,7 @@ def main(argv=None) -> int:
             return evaluate_checkpoint(args)
         resume = None
         if args.resume:
-            args, resume = load_for_resume(args)
+            args, resume = load_for_resume(args, flags_given(argv))
         if resume is not None and resume["global_step"] >= args.total_timesteps:
             print(f"the checkpoint has {resume['global_step']:,} env steps already "
                   f"(--total-timesteps {args.total_timesteps:,}): nothing to do")

@@ -1,12 +1,12 @@
 """The collector processes: start, watch, restart and stop them; the sync schedule; snapshots.
 
-A collector is a spawned CPU process (one torch thread, SIGINT ignored) that steps its own
-contiguous slice of the envs chunk by chunk and writes their transitions into the replay
-buffer. The harness here runs the chunk loop; the training script passes two things it owns:
-`make_env(env_id, num_envs, seed)` (a gymnasium vector env with SAME_STEP autoreset) and a
-policy class, `make_policy(args, index, num_envs)`, whose object has `actor` (the module
-whose state the learner publishes), `act(obs, random) -> actions`, `episodes_ended(done)`,
-`state()` and `restore(state)`. The harness never looks inside an action.
+A collector is a spawned CPU process (one torch thread, SIGINT and SIGTERM ignored) that
+steps its own contiguous slice of the envs chunk by chunk and writes their transitions into
+the replay buffer. The harness here runs the chunk loop; the training script passes two
+things it owns: `make_env(env_id, num_envs, seed)` (a gymnasium vector env with SAME_STEP
+autoreset) and a policy class, `make_policy(args, index, num_envs)`, whose object has
+`actor` (the module whose state the learner publishes), `act(obs, random) -> actions`,
+`episodes_ended(done)`, `state()` and `restore(state)`. The harness never looks inside an action.
 
 What crosses the process boundary, and who owns it:
 - the replay buffer (replay.py), the weights (weights.py) and the Control block (control.py)
@@ -94,7 +94,12 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
                    ctrl_spec: dict, run_dir: str, start: dict | None = None) -> None:
     """Entry point of collector `index`: collect every chunk, record any error in its
     Control row. `start` continues from a snapshot (or at a chunk, after a restart)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    # Ctrl-C and SIGTERM are the learner's to handle: a terminal, `timeout` and a cluster's
+    # preemption notice send them to every process of the job, and the learner needs its
+    # collectors alive for the checkpoint it takes before it stops them (a collector whose
+    # learner is gone exits by itself, see _poll)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(1)
     rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
     ctrl = Control.attach(ctrl_spec, index)
@@ -462,11 +467,9 @@ def _alive(pid: int) -> bool:
 
 
 def _stop(proc: mp.Process) -> None:
-    """Wait for a collector that was asked to stop; terminate, then kill it if it lingers."""
+    """Wait for a collector that was asked to stop; kill it if it lingers (it ignores
+    SIGTERM)."""
     proc.join(5.0)
-    if proc.exitcode is None:
-        proc.terminate()
-        proc.join(2.0)
     if proc.exitcode is None:
         proc.kill()
         proc.join()

@@ -43,3 +43,39 @@ def run_script(script: str, *flags: str, timeout: float = 300, env: dict | None 
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def read_until(proc, done, seconds: float = 300, text: str = "") -> str:
+    """Read `proc`'s stdout (a pipe) until `done(text so far)` is true; returns the text.
+    Fails at the deadline, or when the process ends first: a stuck run fails the test
+    instead of hanging it."""
+    import select
+    import time
+
+    fd, deadline = proc.stdout.fileno(), time.time() + seconds
+    while not done(text):
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out after {seconds} s; output so far:\n{text[-2000:]}")
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        chunk = os.read(fd, 65536).decode(errors="replace") if ready else ""
+        if ready and not chunk:  # end of output: the run is over
+            proc.wait()
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the run ended (exit {proc.returncode}) first:\n"
+                                 f"{text[-2000:]}\n{(err or '')[-3000:]}")
+        text += chunk
+    return text
+
+
+def updates_shown(text: str) -> int:
+    """The most gradient updates that the progress lines in `text` report."""
+    import re
+
+    return max((int(m.replace(",", "")) for m in re.findall(r"updates\s+([\d,]+)", text)),
+               default=0)
+
+
+def wait_for_updates(proc, above: int = 0, seconds: float = 300, text: str = "") -> str:
+    """Read `proc`'s progress lines until they report more than `above` updates."""
+    return read_until(proc, lambda t: updates_shown(t) > above, seconds, text)

@@ -52,23 +52,38 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
-    port, run_dir = free_port(), str(tmp_path / "run")
+def two_nodes(run_dir, *flags):
+    """Two torchrun agents on this machine as two nodes of one rank each (static rendezvous
+    on the first), each node with its own collector; (return codes, stdouts, stderrs)."""
+    port = free_port()
     procs = [subprocess.Popen(
         [*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
          "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, *SMALL,
-         "--total-timesteps", "1000", "--sync-mode", "pipelined", "--run-dir", run_dir,
-         "--replay-mirror", "True"],
+         "--sync-mode", "pipelined", "--run-dir", run_dir, "--replay-mirror", "True", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         for node in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
+    return [p.returncode for p in procs], *zip(*outs)
+
+
+def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
+    """--total-timesteps counts both nodes' env steps: each node collects half, and a
+    --resume auto past the halfway point continues to the new total."""
+    run_dir = str(tmp_path / "run")
+    flags = ["--save-interval", "400", "--resume", "auto"]
+    codes, _, errs = two_nodes(run_dir, "--total-timesteps", "1200", *flags)
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     s = summary(run_dir)
     assert s["status"] == "completed" and s["world_size"] == 2 and s["nodes"] == 2
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
-    # both nodes' collectors stepped their envs: env steps count both nodes
-    assert s["total_env_steps"] >= 2000
+    # 1200 env steps of 2 nodes x 2 envs x 10 steps per iteration: 30 iterations
+    assert s["total_env_steps"] == 1200 and s["iterations"] == 30, s
+    codes, outs, errs = two_nodes(run_dir, "--total-timesteps", "2000", *flags)
+    assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert "resuming" in outs[0] and "at env step 1,200" in outs[0], outs[0][-2000:]
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["total_env_steps"] == 2000, s
+    assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
 
 
 def test_single_process_without_torchrun_behaves_like_fast_sac(tmp_path, no_shm_leak):

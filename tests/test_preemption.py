@@ -1,6 +1,7 @@
 """Preemption: signal checkpoints, picking a complete checkpoint, --resume auto, bounded disk
 and elastic torchrun restarts. Real runs, real signals, real processes."""
 
+import contextlib
 import os
 import re
 import signal
@@ -10,8 +11,8 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, leaked, run_script, shm_files
-from test_multigpu import ENV, SCRIPT, TORCHRUN, summary, worker_pids
+from conftest import ROOT, SMALL, leaked, run_script, shm_files, wait_for_updates
+from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pids
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary, wait_gone
 
@@ -25,33 +26,49 @@ def checkpoints(run_dir):
 
 
 def start(script, *flags):
-    """A run in the background, returned once it makes gradient updates."""
+    """A run in the background (its own session, so that its process group is the run's),
+    returned once it makes gradient updates."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.time() + 300
-    for line in proc.stdout:
-        m = re.search(r"updates\s+([\d,]+)", line)
-        if m and int(m.group(1).replace(",", "")) > 0:
-            return proc
-        assert time.time() < deadline, "no gradient updates"
-    raise AssertionError(f"the run ended early: {proc.wait()} {proc.stderr.read()[-3000:]}")
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    wait_for_updates(proc)
+    return proc
 
 
-@pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
-def test_sigterm_checkpoint_resumes_exactly(mode, tmp_path, no_shm_leak):
+def alive(pids):
+    return [p for p in pids if not wait_gone(p, 0)]
+
+
+def wait_all_gone(pids, before, seconds=30):
+    """Every process in `pids` has exited and no segment is left in /dev/shm (polled)."""
+    deadline = time.time() + seconds
+    while (alive(pids) or leaked(before)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids), f"processes left: {alive(pids)}"
+    assert not leaked(before)
+
+
+@pytest.mark.parametrize("mode, target", [("lockstep", "learner"), ("pipelined", "group")])
+def test_sigterm_checkpoint_resumes_exactly(mode, target, tmp_path, no_shm_leak):
     """SIGTERM writes a checkpoint with the replay and both collectors' snapshot at the next
-    iteration; resuming it ends with the parameters of a run that was never stopped."""
+    iteration; resuming it ends with the parameters of a run that was never stopped. The
+    signal goes to the learner alone, or to every process of the run (its process group:
+    what `timeout`, `kill -TERM -- -PGID` and a cluster's preemption send), collectors
+    included."""
     full, run = str(tmp_path / "full"), str(tmp_path / "run")
     flags = [*EXACT, "--sync-mode", mode, "--total-timesteps", "12000"]
     res = run_script("fast_sac.py", *flags, "--run-dir", full)
     assert res.returncode == 0, res.stderr[-3000:]
     proc = start("fast_sac.py", *flags, "--run-dir", run)
     kids = children(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    assert len(kids) == 2
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
-    assert re.search(r"checkpoint_\d+\.pt written [\d.]+ s after signal", err), err[-2000:]
+    assert re.search(r"checkpoint_\d+\.pt written [\d.]+ s after signal 15", err), err[-2000:]
     assert all(wait_gone(k, 20) for k in kids)
     (step,) = checkpoints(run)
     assert 0 < step < 12000 and read_summary(run)["status"] == "interrupted"
@@ -60,6 +77,45 @@ def test_sigterm_checkpoint_resumes_exactly(mode, tmp_path, no_shm_leak):
     res = run_script("fast_sac.py", "--resume", run)
     assert res.returncode == 0, res.stderr[-3000:]
     assert_same_params(final_params(full), final_params(run))
+
+
+def test_sigterm_to_every_process_of_a_torchrun_job(tmp_path):
+    """A cluster's preemption notice reaches the torchrun agent, every rank and every
+    collector at once, and the agent forwards it to the ranks again. The ranks stop at the
+    same iteration after one complete checkpoint, nothing is left running or in /dev/shm,
+    and the checkpoint continues exactly: to the parameters of a run that never stopped."""
+    before, run, full = shm_files(), str(tmp_path / "run"), str(tmp_path / "full")
+    flags = [*SMALL, "--sync-mode", "lockstep", "--save-replay", "--num-collectors", "2"]
+    job = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *flags]
+    agent = subprocess.Popen([*job, "--total-timesteps", "10000000", "--run-dir", run],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=ENV, start_new_session=True)
+    wait_for_updates(agent)
+    tree = [agent.pid, *descendants(agent.pid)]
+    assert len(tree) >= 5  # the agent, two ranks, two collectors (and resource trackers)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    _, err = agent.communicate(timeout=120)
+    assert len(re.findall(r"rank \d interrupted: checkpoint_\d+\.pt written", err)) == 2, \
+        err[-3000:]
+    wait_all_gone(tree, before)
+    (step,) = checkpoints(run)
+    assert read_summary(run)["status"] == "interrupted"
+    saved = torch.load(os.path.join(run, f"checkpoint_{step}.pt"), weights_only=False)
+    assert saved["replay"] and len(saved["collector"]) == 2 and len(saved["rank_rng"]) == 2
+    # the resumed run and an uninterrupted one, both to 400 env steps past the checkpoint
+    # (flags given on resume override the saved ones)
+    end = str(step + 400)
+    for cmd in ([*job[:-len(flags)], "--resume", run, "--total-timesteps", end],
+                [*job, "--total-timesteps", end, "--run-dir", full]):
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=ENV)
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = summary(full), summary(run)
+    assert b["status"] == "completed" and b["total_env_steps"] == int(end)
+    assert a["rank_param_hashes"] == b["rank_param_hashes"]
+    assert not leaked(before)
 
 
 def test_second_signal_aborts_and_keeps_previous_checkpoint(tmp_path, no_shm_leak):
@@ -152,5 +208,4 @@ def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
     resumed = re.findall(r"resuming \S+checkpoint_(\d+)\.pt at env step", out)
     assert resumed and int(resumed[0]) >= killed_at, out[-3000:]
-    time.sleep(1)
-    assert not leaked(before)
+    wait_all_gone([], before)

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, leaked, run_script, shm_files
+from conftest import ROOT, SMALL, leaked, run_script, shm_files, wait_for_updates
 
 
 def read_summary(run_dir):
@@ -122,22 +121,16 @@ def test_unknown_env_fails_fast_with_suggestion(script, no_shm_leak, tmp_path):
 
 
 def start_run(tmp_path, script, *extra):
+    """A long run in the background (its own session), returned once it makes gradient
+    updates."""
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, script), *SMALL, "--total-timesteps",
          "10000000", "--run-dir", run_dir, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.time() + 300
-    while time.time() < deadline:  # wait until gradient updates are happening
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        line = proc.stdout.readline() if ready else ""
-        m = re.search(r"updates\s+([\d,]+)", line)
-        if m and int(m.group(1).replace(",", "")) > 0:
-            return proc, run_dir
-        assert proc.poll() is None, proc.stderr.read()
-    proc.kill()
-    raise AssertionError("run never reached gradient updates")
+        env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    proc.seen = wait_for_updates(proc)  # (the progress lines read so far)
+    return proc, run_dir
 
 
 def children(pid):
