@@ -79,3 +79,17 @@ def updates_shown(text: str) -> int:
 def wait_for_updates(proc, above: int = 0, seconds: float = 300, text: str = "") -> str:
     """Read `proc`'s progress lines until they report more than `above` updates."""
     return read_until(proc, lambda t: updates_shown(t) > above, seconds, text)
+
+
+def drain(proc, text: str = "", quiet_s: float = 0.3) -> str:
+    """`text` plus whatever `proc` has written to its stdout pipe by now (reads until the pipe
+    has been empty for `quiet_s`)."""
+    import select
+
+    fd = proc.stdout.fileno()
+    while select.select([fd], [], [], quiet_s)[0]:
+        chunk = os.read(fd, 65536).decode(errors="replace")
+        if not chunk:
+            break
+        text += chunk
+    return text

@@ -1,12 +1,13 @@
 """Resume, checkpoints and injected faults, on real short runs."""
 
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
-from conftest import SMALL, run_script
+from conftest import SMALL, drain, run_script, updates_shown, wait_for_updates
 from test_runs import children, read_summary, start_run
 
 
@@ -76,13 +77,20 @@ ALL = ["fast_sac.py", "fast_td3.py", "fast_sac_multigpu.py"]
 
 @pytest.mark.parametrize("script", ALL)
 def test_eval_only_prints_mean_and_std(script, tmp_path, no_shm_leak):
+    """--eval-only on the saved policy gives the run's own final evaluation (same seed, same
+    episodes), with the mean and std."""
     run_dir = str(tmp_path / "run")
-    res = run_script(script, *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
+    res = run_script(script, *SMALL, "--total-timesteps", "600", "--eval-episodes", "3",
+                     "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
+    final = read_summary(run_dir)["final_eval_return"]
     res = run_script(script, "--eval-only", "--checkpoint", run_dir,
                      "--eval-episodes", "3")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "Pendulum-v1: return" in res.stdout and "over 3 deterministic episodes" in res.stdout
+    m = re.search(r"Pendulum-v1: return (-?[\d.]+) \+- ([\d.]+) over 3 deterministic episodes",
+                  res.stdout)
+    assert m, res.stdout
+    assert float(m.group(1)) == round(final, 1) and float(m.group(2)) >= 0
 
 
 @pytest.mark.parametrize("script, collectors", [(s, 1) for s in ALL] + [("fast_sac.py", 3)])
@@ -94,13 +102,16 @@ def test_restart_collector_carries_on(script, collectors, tmp_path, no_shm_leak)
     victim = kids[-1]
     os.kill(victim, signal.SIGKILL)
     deadline = time.time() + 60
-    while time.time() < deadline:  # a new collector appears and training goes on
+    while time.time() < deadline:  # a new collector appears
         kids = children(proc.pid)
         if len(kids) == collectors and victim not in kids:
             break
         time.sleep(0.2)
     assert len(kids) == collectors and victim not in kids, "no new collector was started"
-    time.sleep(2)
+    # training goes on: the progress lines report more updates than any line before the
+    # new collector was there (the learner waited for its chunk meanwhile)
+    seen = drain(proc, proc.seen)
+    wait_for_updates(proc, above=updates_shown(seen) + 20, seconds=120, text=seen)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert f"restart #1: starting a new collector {collectors - 1}" in err
@@ -110,16 +121,23 @@ def test_restart_collector_carries_on(script, collectors, tmp_path, no_shm_leak)
 
 @pytest.mark.parametrize("script", ALL)
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(script, tmp_path, no_shm_leak):
+    """Updates start after the first checkpoint (at 200 env steps) and diverge at once: that
+    checkpoint stays, finite, and nothing is written from the diverged state."""
     run_dir = str(tmp_path / "run")
     res = run_script(script, *SMALL, "--total-timesteps", "20000", "--save-interval",
-                     "400", "--critic-lr", "1e12", "--actor-lr", "1e12", "--run-dir", run_dir)
-    assert res.returncode != 0
-    assert "non-finite" in res.stderr and "at env step" in res.stderr
+                     "200", "--learning-starts", "400", "--keep-checkpoints", "100",
+                     "--critic-lr", "1e12", "--actor-lr", "1e12", "--run-dir", run_dir)
+    assert res.returncode == 1, res.stderr[-3000:]
+    m = re.search(r"non-finite .* at env step (\d+)", res.stderr)
+    assert m and int(m.group(1)) >= 400, res.stderr[-3000:]
     assert read_summary(run_dir)["status"] == "diverged"
-    for name in os.listdir(run_dir):
-        if name.endswith(".pt"):  # every checkpoint that exists is a finite one
-            state = torch.load(os.path.join(run_dir, name), weights_only=False)
-            for t in state["critics"].values():
+    saved = sorted(f for f in os.listdir(run_dir) if f.endswith(".pt"))
+    assert "checkpoint_200.pt" in saved and "model_final.pt" not in saved, saved
+    for name in saved:  # every checkpoint that exists is a finite one, taken before it
+        state = torch.load(os.path.join(run_dir, name), weights_only=False)
+        assert state["global_step"] < int(m.group(1)), name
+        for net in ("actor", "critics"):
+            for t in state[net].values():
                 assert torch.isfinite(t).all(), name
 
 
@@ -224,3 +242,67 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
                 or resumed["args"]["prefetch"])
     for opt in ("actor_opt", "critic_opt", "alpha_opt"):
         assert all(g["foreach"] and not g["fused"] for g in resumed[opt]["param_groups"])
+
+
+def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_path,
+                                                                           no_shm_leak):
+    """A run saved with --quiet, --save-interval 200 and --log-interval 1, resumed with
+    --no-quiet, --save-interval=0 and --log-interval 10.0: the defaults, given now."""
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--quiet",
+                     "--save-interval", "200", "--keep-checkpoints", "10", "--run-dir", run_dir)
+    assert res.returncode == 0 and "step " not in res.stdout, res.stderr[-3000:]
+    before = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
+    assert before == ["checkpoint_200.pt", "checkpoint_400.pt"]
+    from fast_sac import flags_given
+
+    assert flags_given(["--resume", "R", "--no-quiet", "--save-interval=0", "--total_timesteps",
+                        "5", "--seed", "1"]) == {"resume", "quiet", "save_interval",
+                                                 "total_timesteps", "seed"}
+    res = run_script("fast_sac.py", "--resume", run_dir, "--no-quiet", "--save-interval=0",
+                     "--total-timesteps", "1000", "--log-interval", "10.0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step " in res.stdout  # --no-quiet: progress lines again
+    after = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
+    assert after == before  # --save-interval 0: no new checkpoint
+    saved = final_params(run_dir)["args"]
+    assert saved["quiet"] is False and saved["save_interval"] == 0
+    assert saved["log_interval"] == 10.0
+
+
+def test_resume_auto_continues_a_single_process_run(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    flags = [*SMALL, "--save-interval", "200", "--resume", "auto", "--run-dir", run_dir]
+    res = run_script("fast_sac.py", *flags, "--total-timesteps", "600")
+    assert res.returncode == 0 and "resuming" not in res.stdout, res.stderr[-3000:]
+    first = final_params(run_dir)["num_updates"]
+    res = run_script("fast_sac.py", *flags, "--total-timesteps", "1000")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in res.stdout and "at env step 600" in res.stdout, res.stdout[-2000:]
+    s = read_summary(run_dir)
+    assert s["status"] == "completed" and s["total_env_steps"] == 1000
+    assert s["num_updates"] > first  # it trained on
+
+
+@pytest.mark.parametrize("flag, package", [("--track", "wandb"),
+                                           ("--capture-video", "imageio")])
+def test_flag_whose_package_is_missing_is_refused(flag, package, tmp_path, no_shm_leak):
+    """The package is made unimportable the way Python documents (sys.modules[name] = None,
+    in a sitecustomize on PYTHONPATH): the run is refused before anything starts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    res = run_script("fast_sac.py", *SMALL, flag, "--run-dir", str(tmp_path / "r"),
+                     env={"PYTHONPATH": path})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"{flag} needs the {package} package: pip install {package}" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_save_replay_without_the_disk_for_its_files_is_refused(tmp_path, no_shm_leak):
+    res = run_script("fast_sac.py", *SMALL, "--save-replay", "--save-interval", "200",
+                     "--keep-checkpoints", "100000000", "--run-dir", str(tmp_path / "r"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--save-replay with --keep-checkpoints 100000000 needs" in res.stderr
+    assert "GiB free" in res.stderr and not (tmp_path / "r").exists()
