@@ -36,7 +36,8 @@ def test_async_collectors_wait_for_a_slow_sampler(tmp_path, no_shm_leak):
             drawn = rb.obs[env, rows].copy()
             time.sleep(1.5)  # the slow part of the gather
             assert np.array_equal(rb.obs[env, rows], drawn), "a sampled row was overwritten"
-            assert collectors.ctrl.slowest() <= chunks + window  # it waited at the edge
+            # in 1.5 s a free collector would be far ahead: it went to the edge and waited
+            assert collectors.ctrl.slowest() == chunks + window
         collectors.check()  # the collector is alive and well
     finally:
         collectors.close()

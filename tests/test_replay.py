@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -95,9 +97,19 @@ def test_attach_sees_writes_and_unlink_removes(no_shm_leak):
         ReplayBuffer.attach(rb.spec)
 
 
-def test_memory_within_bound(no_shm_leak):
+def test_memory_is_exactly_the_rows(no_shm_leak):
+    """obs, next_obs, actions and three float32 scalars per transition, and one 64-byte line
+    for the written counters (each field is 64-byte aligned; these sizes need no padding);
+    the segment in /dev/shm has exactly that size."""
     cap, obs, act = 10_000, 17, 6
-    assert ReplayBuffer.nbytes(4, cap // 4, obs, act) <= cap * (2 * obs + act + 4) * 4 + 2**20
+    nbytes = ReplayBuffer.nbytes(4, cap // 4, obs, act)
+    assert nbytes == cap * (2 * obs + act + 3) * 4 + 64
+    rb = ReplayBuffer.create(4, cap // 4, obs, act)
+    try:
+        assert os.path.getsize(f"/dev/shm/{rb.spec['name']}") == nbytes
+    finally:
+        rb.close()
+        rb.unlink()
 
 
 def test_device_mirror_batches_equal_host_batches_bit_for_bit(no_shm_leak):

@@ -2,6 +2,7 @@
 
 import os
 import re
+import select
 import signal
 import time
 
@@ -203,8 +204,10 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
                              "--total-timesteps", "800", "--run-dir", str(tmp_path / "r")],
                             cwd=ROOT, stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
-    out = b""
-    while True:
+    out, deadline = b"", time.time() + 180
+    while time.time() < deadline:  # (a run that hangs fails here instead of hanging)
+        if not select.select([leader], [], [], 1.0)[0]:
+            continue
         try:
             chunk = os.read(leader, 65536)
         except OSError:  # the child closed the terminal
@@ -212,6 +215,8 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
         if not chunk:
             break
         out += chunk
+    else:
+        proc.kill()
     proc.wait(120)
     os.close(leader)
     text = out.decode(errors="replace")
