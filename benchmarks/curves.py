@@ -4,8 +4,10 @@ budget, then tabulate and plot the deterministic eval return against minutes and
     python benchmarks/curves.py --scripts fast_sac fast_td3 --envs HalfCheetah-v5 Hopper-v5 \
         --seeds 1 2 --minutes 8 --out-dir curves/
 
-Runs go to OUT/{env}__{script}__{seed}; a finished one is reused unless --rerun, an unfinished
-one is started afresh, so an interrupted sweep continues. Writes OUT/curves.md (also printed),
+Runs go to OUT/{env}__{script}__{seed}. A finished one is reused when it was made with the same
+command (script, env, seed, --steps, --eval-interval, --extra) and --minutes, unless --rerun;
+otherwise, and when it was cut off, it runs again from its start: an interrupted sweep
+continues with the runs it has not finished. Writes OUT/curves.md (also printed),
 OUT/curves.json and OUT/curves.png (needs matplotlib). Minutes count from each process start.
 """
 
@@ -67,16 +69,18 @@ def read_json(path: str) -> dict:
 
 
 def run(c: Curves, script: str, env: str, seed: int, run_dir: str) -> None:
-    """One training job under the budget, unless its run dir already has results."""
-    mark = read_json(os.path.join(run_dir, MARK))
-    if mark and not c.rerun:
-        other = (mark["minutes"], mark["steps"]) != (c.minutes, c.steps)
-        return print(f"reusing {run_dir}" + other * f" (ran with --minutes {mark['minutes']} "
-                     f"--steps {mark['steps']}; --rerun to run it with this budget)")
-    shutil.rmtree(run_dir, ignore_errors=True)  # old events would mix with the new ones
+    """One training job under the budget, unless its run dir already has the results of the
+    same command and budget."""
     cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--env", env, "--seed", str(seed),
            "--run-dir", run_dir, "--total-timesteps", str(c.steps or 10**10),
            "--eval-interval", str(c.eval_interval), *shlex.split(c.extra)]
+    mark = read_json(os.path.join(run_dir, MARK))
+    if mark and not c.rerun:
+        if (mark["cmd"][1:], mark["minutes"]) == (cmd[1:], c.minutes):
+            return print(f"reusing {run_dir}")
+        print(f"{run_dir} was run with other arguments or budget ({shlex.join(mark['cmd'][1:])}"
+              f", --minutes {mark['minutes']}): running it again")
+    shutil.rmtree(run_dir, ignore_errors=True)  # old events would mix with the new ones
     print(f"\n=== {env} {script} seed {seed}: {shlex.join(cmd)}", flush=True)
     t_start, budget_spent = time.time(), False
     proc = subprocess.Popen(cmd)

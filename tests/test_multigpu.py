@@ -53,15 +53,17 @@ def free_port():
 
 
 def two_nodes(run_dir, *flags):
-    """Two torchrun agents on this machine as two nodes of one rank each (static rendezvous
-    on the first), each node with its own collector; (return codes, stdouts, stderrs)."""
-    port = free_port()
+    """Two torchrun agents on this machine as two nodes of one rank each, launched as
+    docs/slurm_multinode.sbatch launches them (c10d rendezvous, one job id), each node with
+    its own collector; (return codes, stdouts, stderrs)."""
+    port, job = free_port(), f"test{os.getpid()}{time.time_ns()}"
     procs = [subprocess.Popen(
-        [*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, *SMALL,
-         "--sync-mode", "pipelined", "--run-dir", run_dir, "--replay-mirror", "True", *flags],
+        [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--shutdown-timeout", "110",
+         SCRIPT, *SMALL, "--sync-mode", "pipelined", "--run-dir", run_dir,
+         "--replay-mirror", "True", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-        for node in (0, 1)]
+        for _ in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]
     return [p.returncode for p in procs], *zip(*outs)
 
@@ -80,7 +82,8 @@ def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
     assert s["total_env_steps"] == 1200 and s["iterations"] == 30, s
     codes, outs, errs = two_nodes(run_dir, "--total-timesteps", "2000", *flags)
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
-    assert "resuming" in outs[0] and "at env step 1,200" in outs[0], outs[0][-2000:]
+    out = "".join(outs)  # (rank 0 prints; the rendezvous decides which agent holds it)
+    assert "resuming" in out and "at env step 1,200" in out, out[-2000:]
     s = summary(run_dir)
     assert s["status"] == "completed" and s["total_env_steps"] == 2000, s
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
@@ -187,3 +190,22 @@ def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm
     a, b = summary(full), summary(resumed)
     assert a["num_updates"] == b["num_updates"] and b["total_env_steps"] == 1600
     assert a["rank_param_hashes"] == b["rank_param_hashes"]
+
+
+def test_non_finite_loss_stops_every_rank_at_the_same_step(tmp_path):
+    """A diverging update rule under two gloo ranks: both ranks stop at the same env step
+    with the diverged status (no rank waits for the other in a collective), and nothing is
+    left running or in /dev/shm."""
+    before, run_dir = shm_files(), str(tmp_path / "run")
+    res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", SCRIPT, *SMALL,
+                          "--total-timesteps", "20000", "--critic-lr", "1e12", "--actor-lr",
+                          "1e12", "--run-dir", run_dir, "--dist-timeout", "60"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode != 0
+    steps = re.findall(r"rank \d error: non-finite .* at env step (\d+)", res.stderr)
+    assert len(steps) == 2 and steps[0] == steps[1], res.stderr[-3000:]
+    assert summary(run_dir)["status"] == "diverged"
+    deadline = time.time() + 30
+    while leaked(before) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not leaked(before)

@@ -309,5 +309,5 @@ def test_save_replay_without_the_disk_for_its_files_is_refused(tmp_path, no_shm_
     res = run_script("fast_sac.py", *SMALL, "--save-replay", "--save-interval", "200",
                      "--keep-checkpoints", "100000000", "--run-dir", str(tmp_path / "r"))
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "--save-replay with --keep-checkpoints 100000000 needs" in res.stderr
+    assert "--save-replay needs" in res.stderr and "for 100000001 replay file(s)" in res.stderr
     assert "GiB free" in res.stderr and not (tmp_path / "r").exists()
