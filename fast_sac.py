@@ -1046,10 +1046,10 @@ class Diverged(RuntimeError):
 
 class StopRequest:
     """SIGINT and SIGTERM: the first asks for a stop after a complete checkpoint at the next
-    iteration (see `train`); a SIGINT after it (Ctrl-C again) aborts at once
-    (KeyboardInterrupt). A repeated SIGTERM changes nothing: on a cluster the same notice
-    comes from the scheduler and again from a launcher that forwards it (torchrun), and the
-    checkpoint it asks for is already under way."""
+    iteration (see `train`); a second one aborts at once (KeyboardInterrupt), except a
+    SIGTERM after a SIGTERM: on a cluster the same notice comes from the scheduler and again
+    from a launcher that forwards it (torchrun), and the checkpoint it asks for is already
+    under way."""
 
     def __init__(self):
         self.signum, self.t = None, 0.0
@@ -1059,7 +1059,7 @@ class StopRequest:
     def handle(self, signum, frame):
         if self.signum is None:
             self.signum, self.t = signum, time.perf_counter()
-        elif signum == signal.SIGINT:
+        elif not signum == self.signum == signal.SIGTERM:
             raise KeyboardInterrupt(f"second signal {signum}")
 
 

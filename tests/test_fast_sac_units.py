@@ -333,3 +333,26 @@ def test_critic_target_and_actor_objective_follow_use_cdq(use_cdq):
     learner.critics.load_state_dict(learner.critics_target.state_dict())
     _, _, q_actor = learner.actor_loss(obs)
     assert q_actor.item() == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.01)
+
+
+def test_stop_request_ignores_a_repeated_sigterm_but_not_ctrl_c():
+    """The first signal asks for a checkpoint; the same SIGTERM again (a scheduler and
+    torchrun both send it) is no abort, Ctrl-C after it is."""
+    import os
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = fs.StopRequest()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        stop = fs.StopRequest()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
