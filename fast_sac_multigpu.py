@@ -782,15 +782,23 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
     status, exit_code = "failed", 1
+    agreed = {}
+
+    def agree(chunks: int) -> int:  # async: progress and the stop flag in one all-reduce
+        chunks, agreed["running"] = D.allreduce_min([chunks, int(stop.signum is None)], info)
+        return chunks
+
     try:
         run.start(resume)
         done = False
         while not done:
             chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written,
-                                                           lambda n: D.allreduce_min(n, info))
+                                                           agree)
             done = run.advance(chunks)
             # a signal reached a rank: all ranks stop at this iteration
-            stopping = D.any_rank(stop.signum is not None, info) and not done
+            signalled = (agreed.pop("running") == 0 if "running" in agreed
+                         else D.any_rank(stop.signum is not None, info))
+            stopping = signalled and not done
             save_now = run.plan_checkpoint(chunks, done, stopping)
             run.learn(chunks, window, done)
             run.publish_weights()
@@ -944,12 +952,13 @@ class Training:
         random draws as gathering it at the next iteration (lockstep has no next chunk
         before the weights are published)."""
         ctrl, S = self.ctrl, self.args.steps_per_iter
-        # async: whatever is complete on every node
-        nxt, nxt_window = D.allreduce_min(ctrl.slowest(), self.info), window
         if self.args.sync_mode == "pipelined":
             nxt, nxt_window = chunks + 1, S if chunks + 1 < self.collectors.num_chunks else 0
             with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
                 self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
+        else:  # async: whatever is complete on every node (agreed on the CPU, over gloo:
+            # no rank waits here for its GPU to finish the training just queued)
+            nxt, nxt_window = D.allreduce_min(ctrl.slowest(), self.info), window
         if ctrl.slowest() >= nxt:
             if self.args.sync_mode == "async":
                 self.collectors.reading(nxt)

@@ -1,13 +1,17 @@
 """What a CPU can check of the GPU path: the mirror after a collector restart, float32
 log-densities under bf16 autocast, and the temperature loss folded into the actor's."""
 
+import json
 import math
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, SMALL
 
 import fast_sac as fs
 from common.collectors import Collectors
@@ -132,3 +136,21 @@ def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert folded[-1].abs() > 0 and metrics["alpha_loss"] == pytest.approx(alpha_loss.item())
     assert metrics["actor_loss"] == pytest.approx(actor_loss.item())
+
+
+def test_two_ranks_async_agree_on_progress_and_stop_in_one_allreduce(tmp_path, no_shm_leak):
+    """Async mode under torchrun (gloo): progress and the stop flag are agreed on in one
+    all-reduce at the top of the loop, the prefetch's progress in another; the ranks stay
+    in step to the end and finish with identical parameters."""
+    run_dir = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", os.path.join(ROOT, "fast_sac_multigpu.py"),
+                          *SMALL, "--total-timesteps", "1000", "--sync-mode", "async",
+                          "--run-dir", run_dir, "--prefetch", "True", "--replay-mirror", "True"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    assert s["status"] == "completed" and s["num_updates"] > 0 and s["world_size"] == 2
+    assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
