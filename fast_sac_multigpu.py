@@ -931,6 +931,8 @@ class Training:
         written, t0 = self.written, time.perf_counter()
         if written > loop["normalized_upto"]:
             first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
+            # (a pageable copy, but the GPU is idle here: the last iteration ended reading
+            # its losses and weights back, so it waits for nothing)
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             update_normalizer(learner.actor.normalizer, new_obs, self.info)
             loop["normalized_upto"] = written
