@@ -322,7 +322,8 @@ class Mirror:
         allocator, which records the copy's event and hands the block out again only once
         that copy has completed, so dropping it here never lets it be overwritten early."""
         staged = torch.from_numpy(host)
-        if self.pinned:
+        if self.pinned and host.nbytes <= 64 << 20:  # (a larger one is the one-off refill
+            # after a resume: it may block, and pinning gigabytes would keep them pinned)
             staged = torch.empty(host.shape, dtype=staged.dtype, pin_memory=True)
             staged.numpy()[...] = host
         return staged.to(self.device, non_blocking=True)
