@@ -12,7 +12,7 @@ from conftest import ROOT
 def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_shm_leak):
     out = tmp_path / "out"
     res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=170,
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OUT=str(out)))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     log = (out / "gpu_check.log").read_text()
