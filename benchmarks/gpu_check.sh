@@ -45,8 +45,10 @@ export PYTHONUNBUFFERED=1   # a step stopped by its time limit still leaves what
 FAILED=""
 
 # each step's time limit (s); their sum must fit the budget
-declare -A CAP=([machine]=40 [learner_speed]=110 [fast_sac]=70 [multigpu]=50 [fast_td3]=55
-                [cudagraphs]=45 [sample_time]=25 [collector_scaling]=55)
+# (learner_speed compiles twice, plain and CUDA graphs: the later runs at the same shapes
+# find those kernels in inductor's cache, fast_td3 compiles its own)
+declare -A CAP=([machine]=30 [learner_speed]=150 [fast_sac]=65 [multigpu]=45 [fast_td3]=55
+                [cudagraphs]=40 [sample_time]=20 [collector_scaling]=45)
 total=$INSTALL_S
 for c in "${CAP[@]}"; do total=$((total + c)); done
 if [ "$total" -gt "$BUDGET_S" ]; then
