@@ -133,7 +133,7 @@ def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
     apart = torch.autograd.grad(actor_loss, params[:-1]) + torch.autograd.grad(
         alpha_loss, params[-1:])
     for a, b in zip(folded, apart):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.equal(a, b)  # (bit for bit: the CPU path computes what it did before)
     assert folded[-1].abs() > 0 and metrics["alpha_loss"] == pytest.approx(alpha_loss.item())
     assert metrics["actor_loss"] == pytest.approx(actor_loss.item())
 
