@@ -446,15 +446,17 @@ class Actor(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the pre-tanh Gaussian, from a normalized observation."""
         h = self.trunk(x)
-        squashed = torch.tanh(self.log_std(h))
+        # float32 from here on: under --amp only the layers run in bf16, while the draw and
+        # the log-density (temperature, soft target, logged entropy) need float32
+        mu, squashed = self.mu(h).float(), torch.tanh(self.log_std(h).float())
         log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (squashed + 1)
-        return self.mu(h), log_std
+        return mu, log_std
 
     def sample(self, x: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Action in env units and its log-probability, from a normalized observation."""
         mu, log_std = self(x)
         std = log_std.exp()
-        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=mu.dtype)
+        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=torch.float32)
         u = mu + std * eps
         y = torch.tanh(u)
         # Gaussian log-density minus the log-Jacobian of tanh and of the affine rescale
@@ -666,32 +668,33 @@ class Learner:
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
-    def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def actor_loss(self, obs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The actor's loss plus the temperature's, so that one backward (compiled with the
+        rest) serves both: each reaches only its own parameters, as the other's inputs are
+        detached. Also the metrics (detached)."""
         actions, log_prob = self.actor.sample(obs)
         q = self.critics.q_values(obs, actions)
         q = (q.min(0).values if self.args.use_cdq else q.mean(0)).float()
-        return (self.log_alpha.detach().exp() * log_prob.float() - q).mean(), \
-            log_prob.detach(), q.detach().mean()
+        actor_loss = (self.log_alpha.detach().exp() * log_prob - q).mean()
+        alpha_loss = -(self.log_alpha.exp() * (log_prob.detach() + self.target_entropy)).mean()
+        return actor_loss + alpha_loss, {
+            "actor_loss": actor_loss.detach(), "alpha_loss": alpha_loss.detach(),
+            "qf_value": q.detach().mean(),  # the actor's Q: how close to --v-max
+            # in the units of --target-entropy (per dimension, [-1, 1] box)
+            "entropy": -(log_prob.detach().mean() + self.log_scale) / self.act_dim}
 
     def update_actor(self, obs) -> dict[str, torch.Tensor]:
         self.critics.requires_grad_(False)
         with self.autocast():
-            actor_loss, log_prob, q_value = self.actor_loss_fn(obs)
+            loss, metrics = self.actor_loss_fn(obs)
         self.actor_opt.zero_grad(set_to_none=True)
-        actor_loss.backward()
-        D.allreduce_grads_(self.actor.parameters(), self.info)
-        self.actor_opt.step()
-        self.critics.requires_grad_(True)
-        metrics = {"actor_loss": actor_loss.detach().clone(),  # (see update_critic)
-                   "qf_value": q_value.clone(),  # the actor's Q: how close to --v-max
-                   # in the units of --target-entropy (per dimension, [-1, 1] box)
-                   "entropy": -(log_prob.float().mean() + self.log_scale) / self.act_dim}
-        alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
         self.alpha_opt.zero_grad(set_to_none=True)
-        alpha_loss.backward()
-        D.allreduce_grads_([self.log_alpha], self.info)
+        loss.backward()  # (the actor's and the temperature's gradients at once)
+        D.allreduce_grads_([*self.actor.parameters(), self.log_alpha], self.info)
+        self.actor_opt.step()
         self.alpha_opt.step()
-        return metrics | {"alpha_loss": alpha_loss.detach()}
+        self.critics.requires_grad_(True)
+        return {k: v.clone() for k, v in metrics.items()}  # (see update_critic)
 
     def train_iteration(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`updates_per_iter` updates on consecutive mini-batches of one large sample.
@@ -703,7 +706,8 @@ class Learner:
         norm = self.actor.normalizer
         obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
         qf_losses, actor_metrics = [], []
-        for mb in torch.arange(obs.shape[0], device=obs.device).split(args.batch_size):
+        for start in range(0, obs.shape[0], args.batch_size):
+            mb = slice(start, start + args.batch_size)  # (a view: no gather per update)
             qf_losses.append(self.update_critic(obs[mb], batch["actions"][mb],
                                                 batch["rewards"][mb], next_obs[mb],
                                                 batch["discounts"][mb]))
@@ -783,15 +787,23 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
     status, exit_code = "failed", 1
+    agreed = {}
+
+    def agree(chunks: int) -> int:  # async: progress and the stop flag in one all-reduce
+        chunks, agreed["running"] = D.allreduce_min([chunks, int(stop.signum is None)], info)
+        return chunks
+
     try:
         run.start(resume)
         done = False
         while not done:
             chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written,
-                                                           lambda n: D.allreduce_min(n, info))
+                                                           agree)
             done = run.advance(chunks)
             # a signal reached a rank: all ranks stop at this iteration
-            stopping = D.any_rank(stop.signum is not None, info) and not done
+            signalled = (agreed.pop("running") == 0 if "running" in agreed
+                         else D.any_rank(stop.signum is not None, info))
+            stopping = signalled and not done
             save_now = run.plan_checkpoint(chunks, done, stopping)
             run.learn(chunks, window, done)
             run.publish_weights()
@@ -928,6 +940,8 @@ class Training:
         written, t0 = self.written, time.perf_counter()
         if written > loop["normalized_upto"]:
             first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
+            # (a pageable copy, but the GPU is idle here: the last iteration ended reading
+            # its losses and weights back, so it waits for nothing)
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             update_normalizer(learner.actor.normalizer, new_obs, self.info)
             loop["normalized_upto"] = written
@@ -948,12 +962,13 @@ class Training:
         random draws as gathering it at the next iteration (lockstep has no next chunk
         before the weights are published)."""
         ctrl, S = self.ctrl, self.args.steps_per_iter
-        # async: whatever is complete on every node
-        nxt, nxt_window = D.allreduce_min(ctrl.slowest(), self.info), window
         if self.args.sync_mode == "pipelined":
             nxt, nxt_window = chunks + 1, S if chunks + 1 < self.collectors.num_chunks else 0
             with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
                 self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
+        else:  # async: whatever is complete on every node (agreed on the CPU, over gloo:
+            # no rank waits here for its GPU to finish the training just queued)
+            nxt, nxt_window = D.allreduce_min(ctrl.slowest(), self.info), window
         if ctrl.slowest() >= nxt:
             if self.args.sync_mode == "async":
                 self.collectors.reading(nxt)

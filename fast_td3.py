@@ -662,7 +662,8 @@ class Learner:
         norm = self.actor.normalizer
         obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
         qf_losses, actor_losses = [], []
-        for mb in torch.arange(obs.shape[0], device=obs.device).split(args.batch_size):
+        for start in range(0, obs.shape[0], args.batch_size):
+            mb = slice(start, start + args.batch_size)  # (a view: no gather per update)
             qf_losses.append(self.update_critic(obs[mb], batch["actions"][mb],
                                                 batch["rewards"][mb], next_obs[mb],
                                                 batch["discounts"][mb]))
@@ -860,6 +861,8 @@ class Training:
         written, t0 = self.written, time.perf_counter()
         if written > loop["normalized_upto"]:
             first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
+            # (a pageable copy, but the GPU is idle here: the last iteration ended reading
+            # its losses and weights back, so it waits for nothing)
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             learner.actor.normalizer.update(new_obs)
             loop["normalized_upto"] = written

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ the wheels that benchmarks/gpu_check.sh needs on the lent H200 machine
 # (Python 3.12, x86-64, no package index; torch, numpy, tensorboard, tqdm, imageio, packaging,
-# cloudpickle and typing-extensions are already there). Run here, where pip reaches an index,
+# cloudpickle and an older typing-extensions are already there). Run here, where pip reaches an index,
 # from the repository root; running it again downloads nothing new:
 #     bash benchmarks/fetch_wheels.sh
 # On the device machine:
@@ -25,7 +25,8 @@ WHEELS=(
     tyro==1.0.17
     docstring-parser==0.18.0      # tyro
     typeguard==4.6.1              # tyro
-)
+    typing-extensions==4.15.0     # typeguard 4.6 needs >= 4.14, tyro >= 4.13, gymnasium >= 4.12:
+)                                 # newer than the image's may be, so it travels too
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -1,52 +1,83 @@
 #!/usr/bin/env bash
 # The one prepared device check for a machine with a GPU (written for the H200 lent by the
-# device tool; at most about 8 minutes). Prints the numbers the performance figures in
-# README.md quote and leaves them in ${OUT:-/tmp} as it goes. Run from the repository root:
+# device tool, which gives about one run of 8-9 minutes: this takes at most 465 s). Run from
+# the repository root:
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
+#     OUT=/tmp/dry bash benchmarks/gpu_check.sh --dry-run    # no GPU: every step, tiny sizes
 # The lent machine has torch, numpy, tensorboard and tqdm but no gymnasium, mujoco or tyro,
 # and no package index: `bash benchmarks/fetch_wheels.sh` here puts their wheels in .whl/,
 # which travels with the call (carry [".whl"]) and is installed below.
 #
-# What comes back from $OUT (at most 8 files, so one log for all steps):
-#   gpu_check.log       every step's output, with its command, timeout, exit status and time
-#   learner_speed.json  updates/s per mode (eager, bf16, compile, CUDA graphs) and width
-#   sample_time.json    one iteration's sample: host gather vs mirror (ms)
-#   scaling.json        collector_scaling for K = 1 .. 14
-#   run_summary.json    the end-to-end run's summary.json
-#   learner_alone.json  the run's learner timed alone (for learner_efficiency)
-# Each step runs under `timeout`: its own cap, and never past the whole check's budget.
+# Steps, most decisive first; each writes its results as it goes, so a step stopped by its
+# time limit keeps what it finished, and the steps' limits add up to less than the budget:
+#   machine            GPU, driver, packages, /dev/shm and GPU memory; sizes the buffers
+#   learner_speed      updates/s: eager, bf16, compile, CUDA graphs (the GPU recipe's shapes)
+#   fast_sac           one end-to-end Humanoid-v5 run with the CUDA defaults
+#   multigpu           torchrun, one rank: NCCL init, broadcast, all-reduce, barriers, exit
+#   fast_td3           a short fast_td3.py run
+#   cudagraphs         a short fast_sac.py --cudagraphs run
+#   sample_time        one iteration's sample: host gather + copy vs the GPU mirror
+#   collector_scaling  K = 1, 2, 4, 8, 14 collectors
+# What comes back from $OUT:
+#   gpu_check.log       every step's output, with its command, time limit, exit status, time
+#   learner_speed.json  a row per mode, written after each
+#   runs.jsonl          a line per training run: its summary.json, with the step's name
+#   sample_time.json    host vs mirror (ms), written after each
+#   scaling.json        collector_scaling, written after each K
+# --dry-run: the CPU learner (gloo for torchrun), tiny sizes, the same steps and files; it
+# is part of the test suite (tests/test_gpu_check.py), so the script is known to work
+# before a device is lent.
 set -u -o pipefail
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 START=$SECONDS
 BUDGET_S=${GPU_CHECK_BUDGET_S:-465}   # the whole check, wheel install included
+INSTALL_S=15                          # kept for the wheel install
 OUT=${OUT:-/tmp}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
-export PYTHONUNBUFFERED=1   # a step stopped by its timeout still leaves what it printed
+rm -f "$OUT/runs.jsonl"
+WORK=$(mktemp -d)   # run folders: their events and checkpoints stay out of $OUT
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONUNBUFFERED=1   # a step stopped by its time limit still leaves what it printed
 FAILED=""
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG" || { echo "wheel install failed" |
-        tee -a "$LOG"; exit 1; }
+# each step's time limit (s); their sum must fit the budget
+# (learner_speed compiles twice, plain and CUDA graphs: the later runs at the same shapes
+# find those kernels in inductor's cache, fast_td3 compiles its own)
+declare -A CAP=([machine]=30 [learner_speed]=150 [fast_sac]=65 [multigpu]=45 [fast_td3]=55
+                [cudagraphs]=40 [sample_time]=20 [collector_scaling]=45)
+total=$INSTALL_S
+for c in "${CAP[@]}"; do total=$((total + c)); done
+if [ "$total" -gt "$BUDGET_S" ]; then
+    echo "the steps' limits add up to ${total}s, over the ${BUDGET_S}s budget" | tee -a "$LOG"
+    exit 1
+fi
+
+if [ "$DRY" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    timeout "$INSTALL_S" python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG" ||
+        { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-# step NAME CAP_S CMD...: CMD under timeout (CAP_S, or what is left of the budget if less),
-# its stdout and stderr shown and appended to the log
+# step NAME CMD...: CMD under timeout (its CAP, or what is left of the budget if less), its
+# stdout and stderr shown and appended to the log
 step() {
-    local name=$1 cap=$2 left t t0 rc
-    shift 2
+    local name=$1 cap=${CAP[$1]} left t t0 rc
+    shift
     left=$((BUDGET_S - (SECONDS - START)))
     t=$((cap < left ? cap : left))
-    if [ "$t" -lt 20 ]; then
+    if [ "$t" -lt 10 ]; then
         echo "== $name: skipped, ${left}s of the budget left" | tee -a "$LOG"
         FAILED="$FAILED $name"
         return 1
     fi
     echo "== $name (timeout ${t}s): $*" | tee -a "$LOG"
     t0=$SECONDS
-    timeout -k 10 "$t" "$@" 2>&1 | tee -a "$LOG"
+    timeout -k 5 "$t" "$@" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 0 ] || FAILED="$FAILED $name"
     echo "== $name: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (timed out)')" |
@@ -54,41 +85,90 @@ step() {
     return "$rc"
 }
 
-# the machine, and the packages every later step imports (nothing else can run without them)
-step machine 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-step packages 60 python3 -c "import sys, os, torch, typing_extensions, gymnasium, mujoco, tyro
+# keep NAME DIR: append DIR's summary.json to runs.jsonl (one line, with the step's name)
+keep() {
+    python3 -c "import json, sys; s = json.load(open(sys.argv[2] + '/summary.json'))
+open(sys.argv[3], 'a').write(json.dumps({'step': sys.argv[1]} | s) + '\n')
+print(sys.argv[1], s['status'], s['total_env_steps'], 'env steps', s['num_updates'], 'updates',
+      s['perf'])" "$1" "$2" "$OUT/runs.jsonl" 2>&1 | tee -a "$LOG"
+}
+
+if [ "$DRY" = 1 ]; then   # tiny sizes on the CPU; the same steps and files
+    DEVICE=cpu
+    SPEED=(--batch-sizes 32 --hidden 32 --updates-per-iter 2 --modes eager amp
+           --iterations 2 --repeats 1 --warmup 1)
+    SIZES=(--device cpu --num-envs 2 --batch-size 32 --actor-hidden 32 --critic-hidden 32
+           --num-atoms 21 --learning-starts 100 --steps-per-iter 10 --updates-per-iter 2
+           --buffer-size 20000 --total-timesteps 200)
+    SHORT=("${SIZES[@]}")
+    GRAPHS=()   # (CUDA graphs need CUDA: the dry run checks the rest of that step)
+    SAMPLE=(--device cpu --num-envs 4 --buffer-size 20000 --rows 1024 --iterations 2
+            --gather-threads 1)
+    SCALING=(--collectors 1 2 --steps-per-collector 80)
+else
+    DEVICE=cuda
+    # the GPU recipe's shapes (batch 4096, 32 updates, actor 512, critics 1024), so that the
+    # runs below find their compiled kernels in the cache these rows fill
+    SPEED=(--batch-sizes 4096 --hidden 512 --critic-hidden 1024 --updates-per-iter 32
+           --iterations 5 --repeats 3 --warmup 3)
+    SIZES=(--total-timesteps 40000)
+    SHORT=(--total-timesteps 15000)
+    GRAPHS=(--cudagraphs)
+    SAMPLE=(--device cuda --iterations 5)
+    SCALING=(--collectors 1 2 4 8 14)
+fi
+RUN=(--env Humanoid-v5 --eval-interval 0 --eval-episodes 2 --log-interval 10)
+
+# the machine, the packages every later step imports, and the room for buffers: a replay
+# buffer (and its GPU mirror) of at most half the free /dev/shm and a third of the free GPU
+# memory (nothing else can run if this fails)
+step machine python3 -c "import sys, os, torch, typing_extensions, typeguard, gymnasium, mujoco, tyro
+from importlib.metadata import version
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       torch.cuda.is_available(), 'cores', len(os.sched_getaffinity(0)))
-print('gymnasium', gymnasium.__version__, 'mujoco', mujoco.__version__, 'tyro', tyro.__version__)
+print(*(f'{p} {version(p)}' for p in ('gymnasium', 'mujoco', 'tyro', 'typeguard',
+                                      'typing_extensions', 'numpy')))
 e = gymnasium.make('Humanoid-v5'); e.reset(seed=0); e.step(e.action_space.sample())
-print('Humanoid-v5 steps'); st = os.statvfs('/dev/shm')
-print('/dev/shm free GiB', round(st.f_bavail * st.f_frsize / 2**30, 1))" || exit 1
+row = 4 * (2 * e.observation_space.shape[0] + e.action_space.shape[0] + 3)
+st = os.statvfs('/dev/shm'); shm = st.f_bavail * st.f_frsize
+rows = min(1_000_000, int(shm / 2 / row))
+print('/dev/shm free GiB', round(shm / 2**30, 1))
+if '$DEVICE' == 'cuda':
+    print(torch.cuda.get_device_name(), 'free/total GiB',
+          *(round(x / 2**30, 1) for x in torch.cuda.mem_get_info()))
+    rows = min(rows, int(torch.cuda.mem_get_info()[0] / 3 / row))
+print('replay buffer rows', rows, f'({rows * row / 2**30:.2f} GiB)')
+open('$WORK/buffer_size', 'w').write(str(rows // 64 * 64))" || exit 1
+BUF=(--buffer-size "$(cat "$WORK/buffer_size")")
+[ "$DRY" = 1 ] && BUF=()   # (SIZES has its own)
 
-# one iteration's sample (131,072 Humanoid rows): host gather + copy vs the GPU mirror
-step sample_time 90 python3 benchmarks/sample_time.py --device cuda --out "$OUT/sample_time.json"
-# collector_scaling: throughput.py runs K = 1 .. --max-collectors (no list of K), so 14
-# covers K = 1, 2, 4, 8 and 14; it prints and writes only once every K has run
-step collector_scaling 150 python3 benchmarks/throughput.py --scaling-only --repeats 1 \
-    --max-collectors 14 --out "$OUT/scaling.json"
-# the whole GPU path end to end: defaults for CUDA (compile, bf16, prefetch, collectors);
-# the run folder (events, checkpoints) stays out of $OUT, its summary comes back
-rm -rf /tmp/gpu_run
-step fast_sac 150 python3 fast_sac.py --env Humanoid --total-timesteps 60000 --eval-interval 0 \
-    --eval-episodes 2 --log-interval 10 --run-dir /tmp/gpu_run &&
-    cp /tmp/gpu_run/summary.json "$OUT/run_summary.json" &&
-    python3 -c "import json; d = json.load(open('/tmp/gpu_run/summary.json')); \
-print(d['status'], d['total_env_steps'], d['num_updates'], d['perf'])" 2>&1 | tee -a "$LOG"
-# learner_efficiency: that run's updates/s over the same learner (recipe, flags) alone
-step learner_alone 120 python3 benchmarks/learner_speed.py --device cuda --recipe \
-    --out "$OUT/learner_alone.json" &&
-    python3 -c "import json; run = json.load(open('$OUT/run_summary.json'))['perf']; \
-alone = json.load(open('$OUT/learner_alone.json'))['updates_per_s']; \
-print('learner_efficiency', round(run['updates_per_s_since_first_update'] / alone, 3), \
-'in run', run['updates_per_s_since_first_update'], 'alone', round(alone, 1))" 2>&1 |
-    tee -a "$LOG"
-# learner updates/s: eager vs bf16 vs compiled vs CUDA graphs, batch 8192, hidden 512/768;
-# last, so that it has the rest of the budget (it prints a row per setting as it goes)
-step learner_speed 300 python3 benchmarks/learner_speed.py --device cuda --batch-sizes 8192 \
-    --hidden 512 768 --out "$OUT/learner_speed.json"
+step learner_speed python3 benchmarks/learner_speed.py --device "$DEVICE" "${SPEED[@]}" \
+    --out "$OUT/learner_speed.json"
+
+step fast_sac python3 fast_sac.py "${RUN[@]}" "${SIZES[@]}" "${BUF[@]}" \
+    --run-dir "$WORK/fast_sac" && keep fast_sac "$WORK/fast_sac" && [ "$DRY" = 0 ] &&
+    python3 -c "import json  # the run's updates/s over its learner alone (same shapes, flags)
+run = json.load(open('$WORK/fast_sac/summary.json'))['perf']['updates_per_s_since_first_update']
+rows = json.load(open('$OUT/learner_speed.json'))['rows']
+alone = [r['updates_per_s'] for r in rows if r['mode'] == 'compile' and r['updates_per_s']]
+print('learner_efficiency', round(run / alone[0], 3) if alone and run else None, 'in run', run,
+      'alone', alone[:1])" 2>&1 | tee -a "$LOG"
+
+step multigpu python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    fast_sac_multigpu.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" --eval-episodes 1 \
+    --run-dir "$WORK/multigpu" && keep multigpu "$WORK/multigpu"
+
+step fast_td3 python3 fast_td3.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" --eval-episodes 1 \
+    --run-dir "$WORK/fast_td3" && keep fast_td3 "$WORK/fast_td3"
+
+step cudagraphs python3 fast_sac.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" "${GRAPHS[@]}" \
+    --eval-episodes 1 --run-dir "$WORK/cudagraphs" && keep cudagraphs "$WORK/cudagraphs"
+
+step sample_time python3 benchmarks/sample_time.py "${SAMPLE[@]}" "${BUF[@]}" \
+    --out "$OUT/sample_time.json"
+
+step collector_scaling python3 benchmarks/throughput.py --scaling-only --repeats 1 \
+    "${SCALING[@]}" --out "$OUT/scaling.json"
+
 echo "== done in $((SECONDS - START))s; failed or skipped:${FAILED:- none}" | tee -a "$LOG"
 [ -z "$FAILED" ]

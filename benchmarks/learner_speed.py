@@ -11,7 +11,8 @@ after warm-up iterations that also absorb compilation. Modes:
   amp              bf16 autocast
   compile          torch.compile of the losses (+ bf16 autocast on CUDA)
   cudagraphs       compile in reduce-overhead mode: CUDA graphs (+ bf16 on CUDA; CUDA only)
-Prints a table (median of --repeats timings) and writes JSON.
+Prints a table (median of --repeats timings) and writes JSON, rewritten after every row, so a
+run stopped by a time limit keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Bench:
     batch_sizes: list[int] = field(default_factory=lambda: [8192])
     """mini-batch sizes"""
     hidden: list[int] = field(default_factory=lambda: [512, 768])
-    """network widths (actor and critics alike)"""
+    """network widths (the actor's; the critics' too unless --critic-hidden is given)"""
+    critic_hidden: int | None = None
+    """the critics' width, if not --hidden's (the GPU recipe: actor 512, critics 1024)"""
     modes: list[str] = field(default_factory=lambda: ["eager", "amp", "compile", "cudagraphs"])
     """fast-path settings to compare"""
     threads: list[int] = field(default_factory=lambda: [0])
@@ -68,7 +71,8 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
                  compile=True, amp=cuda, cudagraphs=True)}[mode]
     return time_learner(b, fast_sac.resolve_args(fast_sac.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
-        actor_hidden=hidden, critic_hidden=hidden, buffer_size=max(1_000_000, 2 * batch),
+        actor_hidden=hidden, critic_hidden=b.critic_hidden or hidden,
+        buffer_size=max(1_000_000, 2 * batch),
         prefetch=False, **flags), check_shm=False))  # (no replay buffer is created here)
 
 
@@ -122,6 +126,13 @@ def main(b: Bench) -> None:
             json.dump(result, f, indent=2)
         return
     rows = []
+    device_name = torch.cuda.get_device_name() if b.device == "cuda" else "cpu"
+
+    def write():
+        with open(b.out, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
+                       "rows": rows}, f, indent=2)
+
     for threads in b.threads:
         if threads:
             torch.set_num_threads(threads)
@@ -132,21 +143,18 @@ def main(b: Bench) -> None:
                         continue
                     try:
                         rates = time_setting(b, hidden, batch, mode)
-                        row = dict(threads=torch.get_num_threads(), hidden=hidden, batch=batch,
-                                   mode=mode, updates_per_s=float(np.median(rates)), runs=rates)
+                        row = dict(updates_per_s=float(np.median(rates)), runs=rates)
                     except Exception as e:  # report and go on: one failing mode is a result
-                        row = dict(threads=torch.get_num_threads(), hidden=hidden, batch=batch,
-                                   mode=mode, updates_per_s=None,
-                                   error=f"{type(e).__name__}: {e}"[:300])
-                    rows.append(row)
+                        row = dict(updates_per_s=None, error=f"{type(e).__name__}: {e}"[:300])
+                    rows.append(dict(threads=torch.get_num_threads(), hidden=hidden,
+                                     critic_hidden=b.critic_hidden or hidden, batch=batch,
+                                     updates_per_iter=b.updates_per_iter, mode=mode) | row)
+                    row = rows[-1]
+                    write()
                     speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
                              else "    failed " + row["error"])
                     print(f"threads {row['threads']:2d} | hidden {hidden:4d} | batch "
                           f"{batch:5d} | {mode:10s} | updates/s {speed}", flush=True)
-    device_name = torch.cuda.get_device_name() if b.device == "cuda" else "cpu"
-    with open(b.out, "w") as f:
-        json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
-                   "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

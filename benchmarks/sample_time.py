@@ -11,8 +11,9 @@ env (as the collectors would) and draws the GPU recipe's sample of batch x updat
   obs_gather_Nt  the host gather of obs and next_obs alone, split across N threads (to
                  see whether splitting pays)
   mirror         Mirror: copies the new rows to the device, gathers there
-Prints the median milliseconds of each and writes JSON. Copied next to an older checkout's
-common/ it times that checkout's host path (the "before" figure in issue 11's note).
+Prints the median milliseconds of each and writes JSON, rewritten after each data path.
+Copied next to an older checkout's common/ it times that checkout's host path (the "before"
+figure in issue 11's note).
 """
 
 from __future__ import annotations
@@ -102,26 +103,25 @@ def main(b: Bench) -> dict:
             pool, rng = ThreadPoolExecutor(n), np.random.default_rng(1)
             paths[f"obs_gather_{n}t"] = (lambda w, window, floor, pool=pool, rng=rng, n=n:
                                          split_gather(rb, pool, n, rng, b, w, out))
-        times = {name: [] for name in paths}
-        for _ in range(b.iterations + 1):  # (the first round is a warm-up)
-            written += b.steps_per_iter  # the collectors' new rows (same contents)
-            rb.commit(slice(None), written)
-            for name, sample in paths.items():
+        result = {"device": str(device), "rows": b.rows, "obs_dim": obs_dim,
+                  "torch_threads": b.threads, "replay_module": replay.__file__}
+        for name, sample in paths.items():
+            times = []
+            for _ in range(b.iterations + 1):  # (the first one is a warm-up)
+                written += b.steps_per_iter  # the collectors' new rows (same contents)
+                rb.commit(slice(None), written)
                 t0 = time.perf_counter()
                 sample(written, b.steps_per_iter, 0)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - t0)
-        result = {"device": str(device), "rows": b.rows, "obs_dim": obs_dim,
-                  "torch_threads": b.threads, "replay_module": replay.__file__,
-                  **{f"{k}_ms": round(1000 * float(np.median(v[1:])), 2)
-                     for k, v in times.items()}}
+                times.append(time.perf_counter() - t0)
+            result[f"{name}_ms"] = round(1000 * float(np.median(times[1:])), 2)
+            print(f"{name}: {result[f'{name}_ms']} ms", flush=True)
+            with open(b.out, "w") as f:  # (as it goes)
+                json.dump(result, f, indent=1)
     finally:
         rb.close()
         rb.unlink()
-    print(json.dumps(result, indent=1))
-    with open(b.out, "w") as f:
-        json.dump(result, f, indent=1)
     return result
 
 

@@ -63,6 +63,11 @@ class Bench:
     """only collector_scaling (for a many-core machine)"""
     max_collectors: int | None = None
     """largest K for collector_scaling (default: the cores)"""
+    collectors: list[int] | None = None
+    """the K values of collector_scaling (default 1 .. --max-collectors; 1 is always run,
+    as the reference)"""
+    steps_per_collector: int | None = None
+    """env steps per collector in collector_scaling (default 4800, 1280 with --quick)"""
 
 
 def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float, actor=None) -> float:
@@ -131,9 +136,12 @@ def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collec
                            run_dir: str) -> float:
     """K real collector processes in async mode with the policy acting and no learner;
     env steps/s from the moment every one has finished its first chunk to the end."""
+    # (rings of 2048 rows: enough for the async window, and at K = 14 with Humanoid a third
+    # of a GB of /dev/shm rather than the 8 GB that 200,000 rows per collector took)
     args = fast_sac.resolve_args(fast_sac.Args(
         env=env_id, device="cpu", num_envs=k * envs_each, num_collectors=k, sync_mode="async",
-        learning_starts=0, total_timesteps=total_per_collector * k, buffer_size=200_000 * k))
+        learning_starts=0, total_timesteps=total_per_collector * k,
+        buffer_size=2048 * k * envs_each))
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     collectors = Collectors.create("throughput", args, run_dir,
                                    fast_sac.make_actor(args, obs_dim, act_dim, low, high),
@@ -149,6 +157,20 @@ def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collec
         return chunks * envs_each * args.steps_per_iter / (time.perf_counter() - t0)
     finally:
         collectors.close()
+
+
+def write_scaling(path: str, env_id: str, cores: int, rows: dict[str, list[float]],
+                  k: int) -> None:
+    """collector_scaling so far (the K values measured yet) as JSON; a line for K = `k`."""
+    med = {key: float(np.median(v)) for key, v in rows.items() if v}
+    ks = [int(key.split("_")[1].split("/")[0]) for key in med]
+    one = med["collectors_1/steps_per_s"]  # (K = 1 runs first)
+    scaling = {n: med[f"collectors_{n}/steps_per_s"] / (n * one) for n in ks}
+    print(f"K={k:2d}: {med[f'collectors_{k}/steps_per_s']:9.0f} env steps/s, collector_scaling "
+          f"{scaling[k]:.3f}", flush=True)
+    with open(path, "w") as f:
+        json.dump({"env": env_id, "cores": cores, "medians": med, "collector_scaling": scaling},
+                  f, indent=2)
 
 
 def main(b: Bench) -> None:
@@ -168,19 +190,21 @@ def main(b: Bench) -> None:
             rows[f"{name}/{key}"] = []
     for key in ("lockstep_updates_per_s", "pipelined_updates_per_s"):
         rows[f"overlap/{key}"] = []
-    ks = list(range(1, (b.max_collectors or cores) + 1))
+    ks = sorted({1, *(b.collectors or range(1, (b.max_collectors or cores) + 1))})
     rows["collector_alone_steps_per_s"] = []
     for k in ks:
         rows[f"collectors_{k}/steps_per_s"] = []
 
     if b.scaling_only:
         rows = {k: v for k, v in rows.items() if k.startswith("collectors_")}
+    per_collector = b.steps_per_collector or 4 * args.steps_per_iter * (40 if b.quick else 150)
     for _ in range(repeats):
         if b.scaling_only:
             with tempfile.TemporaryDirectory() as run_dir:
                 for k in ks:
                     rows[f"collectors_{k}/steps_per_s"].append(collectors_steps_per_s(
-                        env_id, k, 4, 4 * args.steps_per_iter * 150, run_dir))
+                        env_id, k, 4, per_collector, run_dir))
+                    write_scaling(b.out, env_id, cores, rows, k)  # (as it goes)
             continue
         rows["bare_env_steps_per_s"].append(bare_env_steps_per_s(env_id, args.num_envs, seconds))
         rows["bare_policy_env_steps_per_s"].append(
@@ -207,17 +231,11 @@ def main(b: Bench) -> None:
         with tempfile.TemporaryDirectory() as run_dir:
             for k in ks:
                 rows[f"collectors_{k}/steps_per_s"].append(collectors_steps_per_s(
-                    env_id, k, 4, 4 * args.steps_per_iter * (40 if b.quick else 150), run_dir))
+                    env_id, k, 4, per_collector, run_dir))
     med = {k: float(np.median(v)) for k, v in rows.items()}
     scaling = {k: med[f"collectors_{k}/steps_per_s"] / (k * med["collectors_1/steps_per_s"])
                for k in ks}
-    if b.scaling_only:
-        for k, v in scaling.items():
-            print(f"K={k:2d}: {med[f'collectors_{k}/steps_per_s']:9.0f} env steps/s, "
-                  f"collector_scaling {v:.3f}")
-        with open(b.out, "w") as f:
-            json.dump({"env": env_id, "cores": cores, "medians": med,
-                       "collector_scaling": scaling}, f, indent=2)
+    if b.scaling_only:  # (printed and written as it went)
         return
     result = {
         "env": env_id, "num_envs": args.num_envs, "repeats": repeats, "quick": b.quick,

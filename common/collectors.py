@@ -409,8 +409,7 @@ class Collectors:
         chunk = row.chunks_done
         if chunk > 0:  # the interrupted episodes end at the last complete row: no n-step
             mine = env_slice(self.args.num_envs, self.args.num_collectors, i)  # sum crosses
-            last = (chunk * self.args.steps_per_iter - 1) % self.rb.capacity  # into new ones
-            self.rb.dones[mine, last] = 1.0
+            self.rb.end_episodes(mine, chunk * self.args.steps_per_iter - 1)  # into new ones
         row.stop, row.state = False, RUNNING
         row.error[:] = 0
         self.procs[i] = self._spawn(i, {"chunk": chunk, "restart": self.restarts})

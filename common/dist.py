@@ -19,6 +19,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+# the group that carries control integers (progress, stop, finite) as CPU tensors: gloo
+# beside NCCL, so that agreeing on them never queues work on a GPU nor waits for one
+_control_group = None
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -79,7 +83,13 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) 
                               is_master=False, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"fastrl/attempt{attempt}", agent)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
+    # NCCL: naming the device binds this rank to its GPU at once (no guessing later, and the
+    # communicator is created eagerly, so a bad setup fails here, not at the first collective)
+    device_id = {"device_id": torch.device(dev)} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store,
+                            **device_id)
+    global _control_group
+    _control_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     return DistInfo(rank, world, local_rank, local_world, node_rank, num_nodes, backend, dev)
 
 
@@ -136,13 +146,15 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return allreduce_min(0 if flag else 1, info) == 0
 
 
-def allreduce_min(value: int, info: DistInfo) -> int:
-    """The smallest `value` over all ranks (ranks use it to agree on progress)."""
+def allreduce_min(value: int | list[int], info: DistInfo) -> int | list[int]:
+    """The smallest `value` over all ranks (ranks use it to agree on progress); a list is
+    reduced element by element in one all-reduce. It travels as a CPU tensor over gloo (a
+    group of its own beside NCCL), so it neither queues work on a GPU nor waits for one."""
     if not info.distributed:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    t = torch.tensor(value, dtype=torch.int64).reshape(-1)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_control_group)
+    return t.tolist() if isinstance(value, list) else int(t[0])
 
 
 def param_hash(modules: Iterable[torch.nn.Module]) -> str:
@@ -173,4 +185,6 @@ def shutdown(info: DistInfo, healthy: bool = True) -> None:
     if info.distributed and dist.is_initialized():
         if healthy:
             dist.barrier()
+        global _control_group
+        _control_group = None
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ def _specs(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> dict:
     f32 = np.float32
     return {
         "written": ((num_envs,), np.int64),
+        "amended": ((1,), np.int64),  # counts changes to committed rows (end_episodes)
         "obs": ((num_envs, capacity, obs_dim), f32),
         "next_obs": ((num_envs, capacity, obs_dim), f32),
         "actions": ((num_envs, capacity, act_dim), f32),
@@ -47,7 +48,7 @@ class ReplayBuffer:
     def __init__(self, arrays: SharedArrays, spec: dict):
         self.mem, self.spec = arrays, spec
         self.num_envs, self.capacity = spec["num_envs"], spec["capacity"]
-        for key in ("written", *FIELDS):
+        for key in ("written", "amended", *FIELDS):
             setattr(self, key, arrays[key])
 
     @staticmethod
@@ -82,6 +83,13 @@ class ReplayBuffer:
     def commit(self, envs: slice, written: int) -> None:
         """Publish that rows below env-local step `written` are complete for `envs`."""
         self.written[envs] = written
+
+    def end_episodes(self, envs: slice, step: int) -> None:
+        """Mark env-local step `step` of `envs`, already committed, as an episode end (its
+        collector died there), and count the change in `amended`: a device mirror, which
+        never reads a committed row twice otherwise, copies the episode ends again."""
+        self.dones[envs, step % self.capacity] = 1.0
+        self.amended[0] += 1  # (after the write: a reader that sees the count sees the row)
 
     def valid_range(self, written: int, window: int, n_step: int,
                     floor: int = 0) -> tuple[int, int]:
@@ -172,7 +180,7 @@ class ReplayBuffer:
 
     def close(self) -> None:
         """Unmap in this process."""
-        self.written = self.obs = self.next_obs = self.actions = None
+        self.written = self.amended = self.obs = self.next_obs = self.actions = None
         self.rewards = self.terminated = self.dones = None
         self.mem.close()
 
@@ -232,26 +240,43 @@ def sample_buffers(rows: int, obs_dim: int, act_dim: int, device, pinned: bool =
 class Sampler:
     """Draws the learner's samples of `rows` n-step transitions and moves them to `device`.
 
-    The rows are gathered on the host into one of two sets of buffers, in turns; with
-    `pinned` on CUDA they are pinned and copied without blocking, and taking turns means
-    gathering the next sample never overwrites one whose copy may still be in flight.
+    The rows are gathered on the host into one of two sets of buffers, in turns. With
+    `pinned` on CUDA they are pinned and copied on a side stream without blocking: the copy
+    runs while the training already queued on the learner's stream runs, instead of queueing
+    behind it, and that stream waits for the copy only where the batch is used.
     """
 
     def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
                  n_step: int, gamma: float, pinned: bool = False):
         self.rb, self.rng, self.device = rb, rng, device
         self.rows, self.n_step, self.gamma = rows, n_step, gamma
+        pinned = pinned and device.type == "cuda"
         self.buffers = sample_buffers(rows, rb.obs.shape[-1], rb.actions.shape[-1], "cpu",
-                                      pinned and device.type == "cuda")
+                                      pinned)
+        self.stream = torch.cuda.Stream(device) if pinned else None
+        # (one event per set of buffers: recorded after its copy, waited for before the
+        # set is gathered into again, which waits for that copy only, never for training)
+        self.copied = [torch.cuda.Event() for _ in self.buffers] if pinned else [None] * 2
         self.turn = 0
 
     def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
-        buffers = self.buffers[self.turn]
+        buffers, copied = self.buffers[self.turn], self.copied[self.turn]
         self.turn ^= 1
+        if copied is not None:
+            copied.synchronize()  # (the copy from this set two samples ago)
         self.rb.sample(self.rng, self.rows, self.n_step, self.gamma, written, window, floor,
                        {k: v.numpy() for k, v in buffers.items()})
-        return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
+        if self.stream is None:
+            return {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
+        with torch.cuda.stream(self.stream):  # from pinned memory: the host does not wait
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in buffers.items()}
+            copied.record(self.stream)
+        learner = torch.cuda.current_stream(self.device)
+        learner.wait_stream(self.stream)  # (queued after this iteration's training)
+        for v in batch.values():  # made on the side stream, used on the learner's: the
+            v.record_stream(learner)  # allocator must not reuse it before that use is done
+        return batch
 
 
 class Mirror:
@@ -261,8 +286,14 @@ class Mirror:
     Before each sample it copies the rows committed since the previous one (num_envs x
     steps-per-iter rows per iteration; everything valid after a resume, so the shared
     buffer stays the source of truth). It never copies a row that a write in flight may
-    touch: the same rows that sampling excludes (ReplayBuffer.valid_range). Given the same
-    random draws its batches equal Sampler's bit for bit.
+    touch: the same rows that sampling excludes (ReplayBuffer.valid_range). Rows committed
+    earlier are copied again only when the buffer counts a change to them (`amended`, a
+    collector restart's episode ends). Given the same random draws its batches equal
+    Sampler's bit for bit.
+
+    On CUDA nothing here waits for the device: the indices and the new rows are staged in
+    pinned memory and copied with non_blocking=True, so the next sample is drawn and its
+    gathers queued while the training queued before it still runs.
     """
 
     def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
@@ -273,8 +304,10 @@ class Mirror:
         self.fields = {k: torch.zeros(getattr(rb, k).shape, device=device) for k in FIELDS}
         self.flat = {k: v.flatten(0, 1) for k, v in self.fields.items()}  # (views)
         self.upto = 0  # env-local steps below this that may be sampled are on the device
+        self.amended = int(rb.amended[0])  # the buffer's count of changed committed rows
         self.buffers = sample_buffers(rows, rb.obs.shape[-1], rb.actions.shape[-1], device)
         self.turn = 0
+        self.pinned = device.type == "cuda"
 
     @staticmethod
     def nbytes(num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> int:
@@ -282,25 +315,51 @@ class Mirror:
         specs = _specs(num_envs, capacity, obs_dim, act_dim)
         return nbytes_of({k: specs[k] for k in FIELDS})
 
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """`host` on the device, without waiting for it. On CUDA it is copied into pinned
+        memory first: a copy from pageable memory would wait for all the work queued on the
+        stream (the training just launched). The pinned block comes from the caching host
+        allocator, which records the copy's event and hands the block out again only once
+        that copy has completed, so dropping it here never lets it be overwritten early."""
+        staged = torch.from_numpy(host)
+        if self.pinned and host.nbytes <= 64 << 20:  # (a larger one is the one-off refill
+            # after a resume: it may block, and pinning gigabytes would keep them pinned)
+            staged = torch.empty(host.shape, dtype=staged.dtype, pin_memory=True)
+            staged.numpy()[...] = host
+        return staged.to(self.device, non_blocking=True)
+
+    def _spans(self, lo: int, hi: int):
+        """Env-local steps [lo, hi) as ring rows: at most two (start, stop) spans."""
+        while lo < hi:
+            row = lo % self.rb.capacity
+            stop = min(self.rb.capacity, row + hi - lo)
+            yield row, stop
+            lo += stop - row
+
     def update(self, written: int, window: int, floor: int) -> None:
         """Copy env-local steps [upto, written) of every env, except those below the
-        oldest step that may be sampled (they may be being overwritten)."""
-        capacity = self.rb.capacity
-        lo = max(self.upto, self.rb.valid_range(written, window, 1, floor)[0])
-        while lo < written:  # (at most two spans: the ring wraps once)
-            row = lo % capacity
-            stop = min(capacity, row + written - lo)
+        oldest step that may be sampled (they may be being overwritten); after a change to
+        committed rows (`ReplayBuffer.end_episodes`), copy the episode ends of the rows
+        already here again."""
+        oldest = self.rb.valid_range(written, window, 1, floor)[0]
+        amended = int(self.rb.amended[0])  # (read first: a later change is seen next time)
+        if amended != self.amended:  # (rare: once per collector restart)
+            for row, stop in self._spans(oldest, min(self.upto, written)):
+                self.fields["dones"][:, row:stop].copy_(
+                    self._to_device(np.ascontiguousarray(self.rb.dones[:, row:stop])))
+            self.amended = amended
+        for row, stop in self._spans(max(self.upto, oldest), written):
             for key, dst in self.fields.items():
                 src = np.ascontiguousarray(getattr(self.rb, key)[:, row:stop])
-                dst[:, row:stop].copy_(torch.from_numpy(src))
-            lo += stop - row
+                dst[:, row:stop].copy_(self._to_device(src))  # (device to device)
         self.upto = max(self.upto, written)
 
     def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
-        self.update(written, window, floor)
+        # the draw first: it needs only the host, so it never waits behind the copies
         flat = self.rb.draw(self.rng, self.rows, self.n_step, written, window, floor)
-        flat = torch.from_numpy(flat).to(self.device)
+        self.update(written, window, floor)
+        flat = self._to_device(flat)
         rewards, discounts, last = nstep(flat, self.flat, self.gamma_pow)
         batch = self.buffers[self.turn]
         self.turn ^= 1  # (on CUDA the stream orders this gather after the last one's users)

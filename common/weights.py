@@ -52,8 +52,10 @@ class WeightSync:
 
     def publish(self, module: torch.nn.Module, version: int) -> None:
         """Write `module`'s state as `version` (versions must increase by one each time)."""
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64)
-                          for t in module.state_dict().values()])
+        # flattened where the module lives, then one copy to the host: on a GPU that is one
+        # wait for the queued training (which the weights need anyway), not one per tensor
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64)
+                          for t in module.state_dict().values()]).cpu()
         slot = version % 2
         self.seq[slot] += 1  # odd: slot is being written
         self.slots[slot] = flat.numpy()

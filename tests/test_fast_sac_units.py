@@ -331,7 +331,7 @@ def test_critic_target_and_actor_objective_follow_use_cdq(use_cdq):
     q = learner.critics.q_values(obs, actions).mean().item()
     assert q == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.5)
     learner.critics.load_state_dict(learner.critics_target.state_dict())
-    _, _, q_actor = learner.actor_loss(obs)
+    q_actor = learner.actor_loss(obs)[1]["qf_value"]
     assert q_actor.item() == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.01)
 
 

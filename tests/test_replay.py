@@ -98,12 +98,12 @@ def test_attach_sees_writes_and_unlink_removes(no_shm_leak):
 
 
 def test_memory_is_exactly_the_rows(no_shm_leak):
-    """obs, next_obs, actions and three float32 scalars per transition, and one 64-byte line
-    for the written counters (each field is 64-byte aligned; these sizes need no padding);
-    the segment in /dev/shm has exactly that size."""
+    """obs, next_obs, actions and three float32 scalars per transition, and a 64-byte line
+    each for the written counters and the amended counter (each field is 64-byte aligned;
+    these sizes need no padding); the segment in /dev/shm has exactly that size."""
     cap, obs, act = 10_000, 17, 6
     nbytes = ReplayBuffer.nbytes(4, cap // 4, obs, act)
-    assert nbytes == cap * (2 * obs + act + 3) * 4 + 64
+    assert nbytes == cap * (2 * obs + act + 3) * 4 + 2 * 64
     rb = ReplayBuffer.create(4, cap // 4, obs, act)
     try:
         assert os.path.getsize(f"/dev/shm/{rb.spec['name']}") == nbytes

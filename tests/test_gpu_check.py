@@ -1,0 +1,36 @@
+"""benchmarks/gpu_check.sh --dry-run: every step of the one-try device check, with tiny sizes
+on the CPU (gloo for torchrun), writing the same files; so the script is known to work
+before a device is lent."""
+
+import json
+import os
+import subprocess
+
+from conftest import ROOT
+
+
+def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_shm_leak):
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OUT=str(out)))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    log = (out / "gpu_check.log").read_text()
+    steps = ["machine", "learner_speed", "fast_sac", "multigpu", "fast_td3", "cudagraphs",
+             "sample_time", "collector_scaling"]
+    for name in steps:
+        assert f"== {name}: exit 0 after" in log, name
+    assert [log.index(f"== {name} (timeout") for name in steps] == sorted(
+        log.index(f"== {name} (timeout") for name in steps)  # in the decisive order
+    assert "failed or skipped: none" in log
+    speed = json.loads((out / "learner_speed.json").read_text())
+    assert [r["mode"] for r in speed["rows"]] == ["eager", "amp"]
+    assert all(r["updates_per_s"] > 0 for r in speed["rows"])
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs] == ["fast_sac", "multigpu", "fast_td3", "cudagraphs"]
+    assert all(r["status"] == "completed" and r["num_updates"] > 0 for r in runs)
+    assert runs[1]["backend"] == "gloo" and runs[1]["world_size"] == 1
+    sample = json.loads((out / "sample_time.json").read_text())
+    assert sample["host_ms"] > 0 and sample["mirror_ms"] > 0
+    scaling = json.loads((out / "scaling.json").read_text())
+    assert set(scaling["collector_scaling"]) == {"1", "2"}
