@@ -1,0 +1,145 @@
+"""--trace: the timeline file of real short runs (real collector processes, real shared
+memory), and the bounded record keeping behind it."""
+
+import json
+import os
+from collections import defaultdict
+
+import pytest
+from conftest import SMALL, run_script
+
+from common.trace import NO_TIMELINE, Timeline
+
+LEARNER_SLICES = {"learner/wait_for_data", "learner/normalizer_update", "learner/replay_sample",
+                  "learner/normalize_batch", "learner/update_critic", "learner/update_actor",
+                  "learner/target_update", "learner/check_finite", "learner/weight_sync_write",
+                  "learner/log", "learner/evaluate"}
+COLLECTOR_SLICES = {"collector/wait_for_weights", "collector/load_weights",
+                    "collector/collect_chunk", "collector/act", "collector/env_step",
+                    "collector/write_rows", "collector/commit"}
+EPS = 1e-3  # microseconds: the file's times are nanoseconds / 1000 as floats
+
+
+def load_trace(path):
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    for e in events:  # the fields the trace event format asks for
+        assert e["ph"] in ("X", "C", "M") and isinstance(e["pid"], int) and e["name"]
+        if e["ph"] == "X":
+            assert isinstance(e["tid"], int) and e["dur"] >= 0 and e["ts"] > 0
+            assert e["pid"] in names
+        if e["ph"] == "C":
+            assert isinstance(e["args"]["value"], (int, float))
+    return data, events, names
+
+
+def slices(events, pid=None, name=None):
+    return [e for e in events if e["ph"] == "X" and (pid is None or e["pid"] == pid)
+            and (name is None or e["name"] == name)]
+
+
+def assert_nested_or_apart(events):
+    """On each track (pid, tid), two slices are either disjoint or one contains the other."""
+    tracks = defaultdict(list)
+    for e in slices(events):
+        tracks[e["pid"], e["tid"]].append(e)
+    for track in tracks.values():
+        track.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ends = []
+        for e in track:
+            while open_ends and open_ends[-1] <= e["ts"] + EPS:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1] + EPS, f"{e} overlaps its neighbour"
+            open_ends.append(end)
+
+
+@pytest.mark.parametrize("mode", ["lockstep", "pipelined", "async"])
+def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
+                     "--num-collectors", "2", "--trace", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data, events, names = load_trace(os.path.join(run_dir, "trace.json"))
+    assert data["otherData"]["clock"] == "CLOCK_MONOTONIC"
+    learner = [pid for pid, name in names.items() if name == "learner"]
+    collectors = [pid for pid, name in names.items() if name.startswith("collector")]
+    assert len(learner) == 1 and len(collectors) == 2 and learner[0] not in collectors
+    learner = learner[0]
+    assert LEARNER_SLICES <= {e["name"] for e in slices(events, learner)}
+    for pid in collectors:
+        assert COLLECTOR_SLICES <= {e["name"] for e in slices(events, pid)}
+        chunks = sorted(e["args"]["chunk"] for e in slices(events, pid, "collector/collect_chunk"))
+        assert chunks == list(range(50))  # 1000 steps / (2 envs x 10 steps), none lost
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"replay_rows", "weights_version", "chunk"} <= counters
+    assert_nested_or_apart(events)
+
+    # one clock: the learner samples chunks 0..k-1 only after every collector's slice of
+    # chunk k-1 ended (the end is read before the collector tells the learner)
+    ends = {(e["pid"], e["args"]["chunk"]): e["ts"] + e["dur"]
+            for e in slices(events, name="collector/collect_chunk")}
+    samples = slices(events, learner, "learner/replay_sample")
+    assert len(samples) > 20
+    for s in samples:
+        k = s["args"]["chunks"]
+        for pid in collectors:
+            assert ends[pid, k - 1] <= s["ts"] + EPS, (pid, k, ends[pid, k - 1], s["ts"])
+    updates = slices(events, learner, "learner/update_critic")
+    collecting = slices(events, name="collector/collect_chunk")
+    overlap = [(u, c) for u in updates for c in collecting
+               if c["ts"] < u["ts"] + u["dur"] and u["ts"] < c["ts"] + c["dur"]]
+    if mode == "lockstep":  # the collectors wait while the learner trains
+        assert not overlap, overlap[:3]
+
+
+def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
+    """--trace-events caps every track; what is kept is the run's start and its end. Also
+    --profile-iters writes torch.profiler's trace."""
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "2000", "--trace",
+                     "--trace-events", "300", "--profile-iters", "2:4", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data, events, names = load_trace(os.path.join(run_dir, "trace.json"))
+    per_pid = defaultdict(int)
+    for e in events:
+        if e["ph"] != "M":
+            per_pid[e["pid"]] += 1
+    assert len(per_pid) == 2 and all(n <= 300 for n in per_pid.values()), per_pid
+    assert all(n > 0 for n in data["otherData"]["records_left_out"].values())
+    learner = next(pid for pid, name in names.items() if name == "learner")
+    chunks = [e["args"]["chunks"] for e in slices(events, learner, "learner/replay_sample")]
+    assert chunks[0] == 10 and chunks[-1] == 100  # the first training iteration and the last
+    assert len(chunks) < 90  # (and not all of those between)
+    with open(os.path.join(run_dir, "profile.json")) as f:
+        profile = json.load(f)
+    assert any("update" in str(e.get("name", "")) or "aten::" in str(e.get("name", ""))
+               for e in profile["traceEvents"])
+
+
+def test_no_trace_without_the_flag(tmp_path, no_shm_leak):
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "400", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not {"trace.json", "profile.json"} & set(os.listdir(run_dir))
+
+
+def test_timeline_keeps_first_and_newest():
+    tl = Timeline(10, "t", 1)
+    for i in range(100):
+        tl.add((f"s{i}", i, 1, None))
+    kept = [r[0] for r in tl.records()]
+    assert kept == [f"s{i}" for i in (0, 1, 2, 3, 4, 95, 96, 97, 98, 99)]
+    assert tl.dropped == 90
+    t0 = tl.now()
+    t1 = tl.phase("x", t0)
+    assert t1 >= t0 and tl.records()[-1][:2] == ("x", t0)
+    with tl.span("y", {"a": 1}):
+        pass
+    assert tl.records()[-1][0] == "y" and tl.records()[-1][3] == {"a": 1}
+    # tracing off: nothing is kept anywhere
+    with NO_TIMELINE.span("z"):
+        assert NO_TIMELINE.phase("z", NO_TIMELINE.now()) == 0
