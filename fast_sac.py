@@ -663,7 +663,7 @@ class Learner:
         q = self.critics.q_values(obs, actions)
         q = (q.min(0).values if self.args.use_cdq else q.mean(0)).float()
         return (self.log_alpha.detach().exp() * log_prob.float() - q).mean(), \
-            log_prob.detach(), q.detach()
+            log_prob.detach(), q.detach().mean()
 
     def update_actor(self, obs) -> dict[str, torch.Tensor]:
         self.critics.requires_grad_(False)
@@ -675,8 +675,7 @@ class Learner:
         self.actor_opt.step()
         self.critics.requires_grad_(True)
         metrics = {"actor_loss": actor_loss.detach().clone(),  # (see update_critic)
-                   "qf_value": q_value.mean(),  # the actor's Q: how close to --v-max
-                   "qf_min": q_value.min(), "qf_max": q_value.max(),  # (batch, mean of updates)
+                   "qf_value": q_value.clone(),  # the actor's Q: how close to --v-max
                    # in the units of --target-entropy (per dimension, [-1, 1] box)
                    "entropy": -(log_prob.float().mean() + self.log_scale) / self.act_dim}
         alpha_loss = -(self.log_alpha.exp() * (log_prob.float() + self.target_entropy)).mean()
@@ -715,11 +714,14 @@ class Learner:
         return out
 
     @torch.no_grad()
-    def action_std(self, obs: torch.Tensor) -> torch.Tensor:
-        """The policy's standard deviation (of the Gaussian before tanh) at `obs` (raw
-        observations), mean over the batch and the action dimensions (called when logging
-        is due, not per update)."""
-        return self.actor(self.actor.normalizer(obs))[1].float().exp().mean()
+    def diagnostics(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Read when logging is due (not per update), at the newest sample's raw `obs`: the
+        policy's standard deviation (of the Gaussian before tanh; mean over the batch and
+        the action dimensions) and the lowest and highest Q of both critics at its actions."""
+        x = self.actor.normalizer(obs)
+        q = self.critics.q_values(x, self.actor.sample(x)[0]).float()
+        return {"action_std": self.actor(x)[1].float().exp().mean(), "qf_min": q.min(),
+                "qf_max": q.max()}
 
     def all_finite(self) -> bool:
         tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
@@ -931,7 +933,7 @@ class Training:
                 and (written - loop["floor"]) * args.num_envs >= args.learning_starts):
             self.profiler.step()
             batch = self.prefetched or self.draw(written, window, loop["floor"])
-            self.last_obs = batch["obs"][:args.batch_size]  # (for action_std when logging)
+            self.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
             mark = self.timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
             self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
             mark = self.timeline.now()
@@ -990,7 +992,7 @@ class Training:
             self.tally["terminated" if terminated else "truncated"] += 1
             self.progress.episode(ret)
         if self.metrics is not None and (self.loop["iteration"] % 10 == 0 or done):
-            metrics = self.metrics | {"action_std": learner.action_std(self.last_obs)}
+            metrics = self.metrics | learner.diagnostics(self.last_obs)
             for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
                 writer.add_scalar(f"losses/{k}", v, step)
             if self.trace:  # (one device sync, only now)

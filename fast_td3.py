@@ -649,16 +649,15 @@ class Learner:
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
-    def actor_loss(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+    def actor_loss(self, obs) -> torch.Tensor:
         q = self.critics.q_values(obs, self.actor(obs))
         q = q.min(0).values if self.args.use_cdq else q.mean(0)
-        return -q.float().mean(), q.detach()
+        return -q.float().mean()
 
     def update_actor(self, obs) -> torch.Tensor:
         self.critics.requires_grad_(False)
         with self.autocast():
-            actor_loss, q = self.actor_loss_fn(obs)
-        self.q_range = torch.stack([q.min(), q.max()]).float()  # (the batch's, for logging)
+            actor_loss = self.actor_loss_fn(obs)
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         self.grad_norms["actor_grad_norm"] = grad_norm(self.actor.parameters())
@@ -693,16 +692,19 @@ class Learner:
         if actor_losses:
             out["actor_loss"] = torch.stack(actor_losses).mean()
             out["qf_value"] = -out["actor_loss"]  # the actor's Q: how close to --v-max
-            out["qf_min"], out["qf_max"] = self.q_range  # (the last actor update's batch)
         out |= self.grad_norms  # (the last update's)
         return out
 
     @torch.no_grad()
-    def action_std(self, obs: torch.Tensor) -> torch.Tensor:
-        """The spread of the deterministic policy's actions over `obs` (raw observations), in
-        [-1, 1] box units, mean over the action dimensions (called when logging is due)."""
-        actions = (self.actor(self.actor.normalizer(obs)) - self.actor.bias) / self.actor.scale
-        return actions.float().std(0).mean()
+    def diagnostics(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Read when logging is due (not per update), at the newest sample's raw `obs`: the
+        spread of the deterministic policy's actions over the batch (in [-1, 1] box units,
+        mean over the action dimensions) and the lowest and highest Q of both critics."""
+        x = self.actor.normalizer(obs)
+        actions = self.actor(x)
+        q = self.critics.q_values(x, actions).float()
+        spread = ((actions - self.actor.bias) / self.actor.scale).float().std(0).mean()
+        return {"action_std": spread, "qf_min": q.min(), "qf_max": q.max()}
 
     def all_finite(self) -> bool:
         tensors = [*self.actor.parameters(), *self.critics.parameters()]
@@ -912,7 +914,7 @@ class Training:
                 and (written - loop["floor"]) * args.num_envs >= args.learning_starts):
             self.profiler.step()
             batch = self.prefetched or self.draw(written, window, loop["floor"])
-            self.last_obs = batch["obs"][:args.batch_size]  # (for action_std when logging)
+            self.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
             mark = self.timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
             self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
             mark = self.timeline.now()
@@ -971,7 +973,7 @@ class Training:
             self.tally["terminated" if terminated else "truncated"] += 1
             self.progress.episode(ret)
         if self.metrics is not None and (self.loop["iteration"] % 10 == 0 or done):
-            metrics = self.metrics | {"action_std": learner.action_std(self.last_obs)}
+            metrics = self.metrics | learner.diagnostics(self.last_obs)
             for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
                 writer.add_scalar(f"losses/{k}", v, step)
             if self.trace:  # (one device sync, only now)
