@@ -143,3 +143,35 @@ def test_timeline_keeps_first_and_newest():
     # tracing off: nothing is kept anywhere
     with NO_TIMELINE.span("z"):
         assert NO_TIMELINE.phase("z", NO_TIMELINE.now()) == 0
+
+
+def test_two_ranks_each_write_a_trace_on_the_same_clock(tmp_path, no_shm_leak):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run_dir = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", os.path.join(ROOT, "fast_sac_multigpu.py"),
+                          *SMALL, "--total-timesteps", "1000", "--trace", "--run-dir", run_dir],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    _, rank0, names0 = load_trace(os.path.join(run_dir, "trace.json"))
+    _, rank1, names1 = load_trace(os.path.join(run_dir, "trace_rank1.json"))
+    assert sorted(names0.values()) == ["collector 0", "learner rank 0"]
+    assert list(names1.values()) == ["learner rank 1"]  # (its node's collector is rank 0's)
+    for events in (rank0, rank1):
+        names = {e["name"] for e in slices(events)}
+        assert {"learner/allreduce_grads", "learner/any_rank",
+                "learner/barrier", "learner/update_critic"} <= names
+        assert_nested_or_apart(events)
+    # rank 1 samples chunk k-1 only after rank 0's collector finished it: one clock
+    ends = {e["args"]["chunk"]: e["ts"] + e["dur"]
+            for e in slices(rank0, name="collector/collect_chunk")}
+    samples = slices(rank1, name="learner/replay_sample")
+    assert len(samples) > 20
+    assert all(ends[s["args"]["chunks"] - 1] <= s["ts"] + EPS for s in samples)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["perf"]["ranks_s"] > 0
