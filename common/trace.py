@@ -29,6 +29,7 @@ COLLECTOR_PHASES = ("collector/wait_for_weights", "collector/load_weights",
 (WAIT_WEIGHTS, LOAD_WEIGHTS, COLLECT_CHUNK, ACT, ENV_STEP, WRITE_ROWS, COMMIT, SNAPSHOT,
  CHUNK_COUNTER) = range(len(COLLECTOR_PHASES))
 RECORD = 4  # a ring record: code, start ns, duration ns (-1: a counter), value
+ARG_NAMES = {LOAD_WEIGHTS: "version", COLLECT_CHUNK: "chunk"}  # what a slice's value means
 
 
 class _Span:
@@ -257,7 +258,8 @@ class Trace:
                 if dur < 0:
                     timeline.add((name, t0, None, value))
                 else:
-                    timeline.add((name, t0, dur, None if value < 0 else {"chunk": value}))
+                    args = {ARG_NAMES[code]: value} if code in ARG_NAMES else None
+                    timeline.add((name, t0, dur, args))
 
     def resolve_device(self) -> None:
         """On CUDA: wait for the device once and put its slices on the device track."""

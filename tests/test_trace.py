@@ -116,8 +116,17 @@ def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
     assert len(chunks) < 90  # (and not all of those between)
     with open(os.path.join(run_dir, "profile.json")) as f:
         profile = json.load(f)
-    assert any("update" in str(e.get("name", "")) or "aten::" in str(e.get("name", ""))
-               for e in profile["traceEvents"])
+    assert any("aten::" in str(e.get("name", "")) for e in profile["traceEvents"])
+    # read without a browser: the table and a PNG
+    png = str(tmp_path / "timeline.png")
+    res = run_script(os.path.join("benchmarks", "trace_report.py"),
+                     os.path.join(run_dir, "trace.json"), "--png", png, "--seconds", "0.5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "learner (" in res.stdout and "collector 0 (" in res.stdout
+    assert "update_critic" in res.stdout and "env_step" in res.stdout
+    assert "of the learner's busy time" in res.stdout
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_no_trace_without_the_flag(tmp_path, no_shm_leak):
@@ -125,6 +134,30 @@ def test_no_trace_without_the_flag(tmp_path, no_shm_leak):
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "400", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not {"trace.json", "profile.json"} & set(os.listdir(run_dir))
+    out = str(tmp_path / "curves.png")  # (and plot.py's moving average on the same run)
+    res = run_script(os.path.join("benchmarks", "plot.py"), run_dir, "--tag",
+                     "charts/episodic_return", "--smooth", "3", "--out", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert os.path.getsize(out) > 1000
+
+
+def test_moving_average_and_report_arithmetic():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from plot import moving_average
+    from trace_report import busy, overlap, self_times
+
+    assert moving_average([1, 3, 5, 7], 2) == [1, 2, 4, 6]
+    assert moving_average([2.0], 5) == [2.0]
+    # a parent 0-10 with children 1-3 and 3-6 (ends meet exactly), a sibling 10-12
+    track = [{"name": n, "ts": a, "dur": b - a} for n, a, b in
+             (("p", 0, 10), ("c", 1, 3), ("d", 3, 6), ("s", 10, 12), ("wait_for_data", 12, 20))]
+    assert dict(self_times(track, 0, 20)) == {"p": 5, "c": 2, "d": 3, "s": 2,
+                                              "wait_for_data": 8}
+    assert dict(self_times(track, 2, 11)) == {"p": 4, "c": 1, "d": 3, "s": 1}
+    assert busy(track, 0, 20) == [(0, 12)]
+    assert overlap([(0, 4), (6, 10)], [(3, 7), (9, 20)]) == 1 + 1 + 1
 
 
 def test_timeline_keeps_first_and_newest():
