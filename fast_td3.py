@@ -136,8 +136,9 @@ class Args:
     """write a timeline of the learner and every collector to {run_dir}/trace.json (Chrome
     trace event format: open it in ui.perfetto.dev, or summarize it with
     benchmarks/trace_report.py), at each checkpoint and at the end"""
-    trace_events: int = 200_000
-    """--trace: records kept per process: the first half of them and the newest half"""
+    trace_events: int = 40_000
+    """--trace: records kept per process (about 5 MB of JSON each): the first half of them and
+    the newest half"""
     profile_iters: str | None = None
     """A:B: run torch.profiler over the learner's training iterations A to B-1 (counted from
     the first one that updates) and write its trace to {run_dir}/profile.json"""

@@ -166,9 +166,12 @@ def draw(path: str, labels: dict, events: list[dict], lo: float, hi: float) -> N
     order = sorted(tracks, key=lambda k: (not labels.get(k, "").startswith("learner"),
                                           labels.get(k, ""), k))
     phases = sorted({e["name"] for t in tracks.values() for e in t})
-    colours = iter(plt.get_cmap("tab20").colors * 2)
-    # waiting is grey, so the work stands out
-    colour = {p: "0.82" if p.endswith(WAITS) else next(colours) for p in phases}
+    colours = iter([*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors,
+                    *plt.get_cmap("Set2").colors] * 2)
+    # waiting is grey and a chunk (the container of a collector's steps) pale, so the work
+    # stands out
+    colour = {p: "0.82" if p.endswith(WAITS) else "0.93" if p.endswith("collect_chunk")
+              else next(colours) for p in phases}
     fig, ax = plt.subplots(figsize=(13, max(3.0, 0.8 + 0.7 * len(order))))
     for lane, key in enumerate(order):
         y = len(order) - 1 - lane
