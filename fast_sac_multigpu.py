@@ -1192,9 +1192,13 @@ class Training:
 
     def close(self) -> None:
         """Stop the collectors first, then remove the shared memory."""
-        self.profiler.stop()
-        if self.collectors is not None:
+        try:  # (a profile or trace that cannot be written must not keep the collectors running)
+            self.profiler.stop()
             self.write_trace()
+        except Exception as e:
+            print(f"warning: --trace/--profile-iters: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+        if self.collectors is not None:
             self.ctrl_timing = self.ctrl.mean_timing()
             self.collectors.close()
         for tmp in glob.glob(os.path.join(self.run_dir, "*.tmp")) if self.is_main else []:

@@ -208,3 +208,36 @@ def test_two_ranks_each_write_a_trace_on_the_same_clock(tmp_path, no_shm_leak):
     assert all(ends[s["args"]["chunks"] - 1] <= s["ts"] + EPS for s in samples)
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["perf"]["ranks_s"] > 0
+
+
+def test_killed_run_keeps_the_trace_of_its_last_checkpoint(tmp_path, no_shm_leak):
+    """The trace is written at each checkpoint, so a learner killed without any chance to
+    clean up still leaves one (its collectors notice and remove the shared memory)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, leaked, shm_files
+
+    before = shm_files()
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL,
+                             "--total-timesteps", "100000", "--save-interval", "600", "--trace",
+                             "--run-dir", run_dir], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(run_dir, "trace.json")):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert os.path.exists(os.path.join(run_dir, "checkpoint_600.pt"))
+    _, events, names = load_trace(os.path.join(run_dir, "trace.json"))
+    assert "learner/checkpoint" in {e["name"] for e in slices(events)}
+    assert any(name.startswith("collector") for name in names.values())
+    deadline = time.time() + 20
+    while leaked(before) and time.time() < deadline:
+        time.sleep(0.2)
