@@ -241,3 +241,21 @@ def test_killed_run_keeps_the_trace_of_its_last_checkpoint(tmp_path, no_shm_leak
     deadline = time.time() + 20
     while leaked(before) and time.time() < deadline:
         time.sleep(0.2)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_learner_has_a_device_track(tmp_path, no_shm_leak):
+    """On CUDA the update phases also appear as device slices (from CUDA events), on a track
+    of their own, each starting no earlier than the host launched it."""
+    run_dir = str(tmp_path / "run")
+    res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--device", "cuda",
+                     "--compile", "False", "--trace", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, events, _ = load_trace(os.path.join(run_dir, "trace.json"))
+    device = [e for e in slices(events) if e["tid"] == 1]
+    host = [e for e in slices(events) if e["tid"] == 0 and e["name"] == "learner/update_critic"]
+    critic = [e for e in device if e["name"] == "learner/update_critic"]
+    assert len(critic) == len(host) > 0
+    assert all(d["ts"] + 50 >= h["ts"] for d, h in zip(sorted(critic, key=lambda e: e["ts"]),
+                                                       sorted(host, key=lambda e: e["ts"])))
+    assert_nested_or_apart(events)
