@@ -947,8 +947,12 @@ class Training:
     def draw(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample of the rows before `written` (see Sampler); its time counts as the
         learner's wait for the sample."""
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), self.timeline.now()
+        if isinstance(self.sample, Mirror):  # (its copy of the new rows, then the gather)
+            self.sample.update(written, window, floor)
+            mark = self.timeline.phase("learner/mirror_copy", mark)
         batch = self.sample(written, window, floor)
+        self.timeline.phase("learner/gather", mark)
         self.timers["sample"] += time.perf_counter() - t0
         return batch
 

@@ -60,8 +60,9 @@ def assert_nested_or_apart(events):
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined", "async"])
 def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
+    mirror = ["--replay-mirror", "True"] if mode == "pipelined" else []  # (the GPU's path)
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--sync-mode", mode,
-                     "--num-collectors", "2", "--trace", "--run-dir", run_dir)
+                     "--num-collectors", "2", "--trace", "--run-dir", run_dir, *mirror)
     assert res.returncode == 0, res.stderr[-3000:]
     data, events, names = load_trace(os.path.join(run_dir, "trace.json"))
     assert data["otherData"]["clock"] == "CLOCK_MONOTONIC"
@@ -70,6 +71,8 @@ def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
     assert len(learner) == 1 and len(collectors) == 2 and learner[0] not in collectors
     learner = learner[0]
     assert LEARNER_SLICES <= {e["name"] for e in slices(events, learner)}
+    sampling = {"learner/gather"} | ({"learner/mirror_copy"} if mirror else set())
+    assert sampling <= {e["name"] for e in slices(events, learner)}
     for pid in collectors:
         assert COLLECTOR_SLICES <= {e["name"] for e in slices(events, pid)}
         chunks = sorted(e["args"]["chunk"] for e in slices(events, pid, "collector/collect_chunk"))
