@@ -244,11 +244,10 @@ def reward_terms(make_env, env_id: str) -> list[str]:
 def step_reward_terms(info: dict, terms: list[str], n: int) -> np.ndarray:
     """This step's reward terms [n, len(terms)]. An env whose episode ended here was reset
     within the step (SAME_STEP), so its terms are in info["final_info"]."""
-    values = np.zeros((n, len(terms)))
+    values, final = np.zeros((n, len(terms))), info.get("final_info", {})
     for j, k in enumerate(terms):
         if k in info:
             values[:, j] = info[k]
-        final = info.get("final_info", {})
         if k in final:
             ended = final["_" + k] if "_" + k in final else info["_final_info"]
             values[ended, j] = final[k][ended]

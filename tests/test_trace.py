@@ -86,7 +86,7 @@ def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
     ends = {(e["pid"], e["args"]["chunk"]): e["ts"] + e["dur"]
             for e in slices(events, name="collector/collect_chunk")}
     samples = slices(events, learner, "learner/replay_sample")
-    assert len(samples) > 20
+    assert len(samples) >= (40 if mode != "async" else 3)  # (async: as many as time allows)
     for s in samples:
         k = s["args"]["chunks"]
         for pid in collectors:
