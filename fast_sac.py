@@ -43,6 +43,7 @@ from common.collectors import CollectorError, Collectors, async_window_chunks
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
 from common.replay import Mirror, ReplayBuffer, Sampler, batch_nbytes, batch_shapes
 from common.shm import check_shm_space
+from common.trace import NO_TIMELINE, Trace
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
 
@@ -136,6 +137,16 @@ class Args:
     """episodes per evaluation"""
     log_interval: float = 10.0
     """seconds between console progress lines"""
+    trace: bool = False
+    """write a timeline of the learner and every collector to {run_dir}/trace.json (Chrome
+    trace event format: open it in ui.perfetto.dev, or summarize it with
+    benchmarks/trace_report.py), at each checkpoint and at the end"""
+    trace_events: int = 40_000
+    """--trace: records kept per process (about 5 MB of JSON each): the first half of them and
+    the newest half"""
+    profile_iters: str | None = None
+    """A:B: run torch.profiler over the learner's training iterations A to B-1 (counted from
+    the first one that updates) and write its trace to {run_dir}/profile.json"""
     resume: str | None = None
     """continue a run: its run dir (newest complete checkpoint) or a checkpoint file; auto:
     --run-dir's newest complete checkpoint if it has one, else a fresh start (safe to re-run
@@ -309,6 +320,10 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         if getattr(args, flag) and importlib.util.find_spec(package) is None:
             raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
                             f"pip install {package}")
+    if args.profile_iters is not None:
+        profile_range(args.profile_iters)
+    if args.trace_events < 2:
+        raise ArgsError(f"--trace-events must be at least 2, got {args.trace_events}")
     capacity = args.buffer_size // args.num_envs
     chunk = args.steps_per_iter * async_window_chunks(args)
     usable = (capacity - chunk - args.n_step + 1) * args.num_envs
@@ -614,6 +629,7 @@ class Learner:
         self.online_params = list(self.critics.parameters())
         self.target_params = list(self.critics_target.parameters())
         self.num_updates = 0
+        self.timeline, self.grad_norms = NO_TIMELINE, {}  # (Training sets the timeline)
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
         if args.compile:
             # (static shapes: every mini-batch has the same size)
@@ -645,6 +661,7 @@ class Learner:
             loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
+        self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
@@ -670,6 +687,7 @@ class Learner:
         self.actor_opt.zero_grad(set_to_none=True)
         self.alpha_opt.zero_grad(set_to_none=True)
         loss.backward()  # (the actor's and the temperature's gradients at once)
+        self.grad_norms["actor_grad_norm"] = grad_norm(self.actor.parameters())
         self.actor_opt.step()
         self.alpha_opt.step()
         self.critics.requires_grad_(True)
@@ -682,23 +700,38 @@ class Learner:
         when it logs.
         """
         args = self.args
-        norm = self.actor.normalizer
+        norm, mark = self.actor.normalizer, self.timeline.now()
         obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
+        mark = self.timeline.phase("learner/normalize_batch", mark)
         qf_losses, actor_metrics = [], []
         for start in range(0, obs.shape[0], args.batch_size):
             mb = slice(start, start + args.batch_size)  # (a view: no gather per update)
             qf_losses.append(self.update_critic(obs[mb], batch["actions"][mb],
                                                 batch["rewards"][mb], next_obs[mb],
                                                 batch["discounts"][mb]))
+            mark = self.timeline.phase("learner/update_critic", mark)
             self.num_updates += 1
             if self.num_updates % args.policy_frequency == 0:
                 actor_metrics.append(self.update_actor(obs[mb]))
+                mark = self.timeline.phase("learner/update_actor", mark)
             with torch.no_grad():  # else every lerp joins an ever-growing autograd graph
                 torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
+            mark = self.timeline.phase("learner/target_update", mark)
         out = {"qf_loss": torch.stack(qf_losses).mean(), "alpha": self.log_alpha.detach().exp()}
         for key in actor_metrics[0] if actor_metrics else ():
             out[key] = torch.stack([m[key] for m in actor_metrics]).mean()
+        out |= self.grad_norms  # (the last update's)
         return out
+
+    @torch.no_grad()
+    def diagnostics(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Read when logging is due (not per update), at the newest sample's raw `obs`: the
+        policy's standard deviation (of the Gaussian before tanh; mean over the batch and
+        the action dimensions) and the lowest and highest Q of both critics at its actions."""
+        x = self.actor.normalizer(obs)
+        q = self.critics.q_values(x, self.actor.sample(x)[0]).float()
+        return {"action_std": self.actor(x)[1].float().exp().mean(), "qf_min": q.min(),
+                "qf_max": q.max()}
 
     def all_finite(self) -> bool:
         tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
@@ -770,7 +803,8 @@ def train(args: Args, resume: dict | None = None) -> int:
         run.start(resume)
         done = False
         while not done:
-            chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written)
+            with run.timeline.span("learner/wait_for_data"):
+                chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"], run.written)
             done = run.advance(chunks)
             stopping = stop.signum is not None and not done  # (a signal arrived)
             save_now = run.plan_checkpoint(chunks, done, stopping)
@@ -833,10 +867,20 @@ class Training:
         # what a checkpoint must carry besides the networks to continue the loop exactly;
         # floor: env-local steps below it hold no data (after a resume without the replay)
         self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0)
-        self.timers = dict(learn=0.0, sync=0.0)
+        self.timers = dict(learn=0.0, sample=0.0, sync=0.0)
         self.t_first_update = self.t_last_update = self.metrics = self.prefetched = None
         self.final_eval, self.ctrl_timing = None, np.zeros(4)
         self.progress = Progress(args, self.learner)
+        # --trace: this process's timeline and its collectors' (off: NO_TIMELINE, nothing)
+        self.trace = Trace(args.trace_events, cuda=self.device.type == "cuda") if args.trace \
+            else None
+        self.timeline = self.learner.timeline = self.trace.learner if self.trace else NO_TIMELINE
+        self.profiler = IterationProfiler(args.profile_iters, self.run_dir)
+        # episode ends by cause and the policy lag (summed over iterations), whole run and
+        # at the last progress line
+        self.tally = dict(terminated=0, truncated=0, lag=0.0, lag_iterations=0)
+        self.tally_logged = dict(self.tally)
+        self.last_obs = None
 
     def start(self, resume: dict | None) -> None:
         """Create the shared memory, load `resume`, publish the first weights and start the
@@ -863,7 +907,12 @@ class Training:
         self.written = self.loop["normalized_upto"]
 
     def advance(self, chunks: int) -> bool:
-        """Count the env steps collected; True when this is the last iteration."""
+        """Count the env steps collected and how many weight versions behind the learner the
+        newest chunk was collected with; True when this is the last iteration."""
+        versions = self.ctrl.chunk_versions(chunks - 1)
+        if (versions >= 0).all():
+            self.tally["lag"] += self.loop["version"] - float(versions.mean())
+            self.tally["lag_iterations"] += 1
         self.written = chunks * self.args.steps_per_iter
         self.loop["global_step"] = self.written * self.args.num_envs
         return chunks >= self.collectors.num_chunks
@@ -883,6 +932,7 @@ class Training:
         """Fold the new observations into the normalizer, then train on a sample."""
         args, loop, learner = self.args, self.loop, self.learner
         written, t0 = self.written, time.perf_counter()
+        mark = self.timeline.now()
         if written > loop["normalized_upto"]:
             first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
             # (a pageable copy, but the GPU is idle here: the last iteration ended reading
@@ -890,14 +940,21 @@ class Training:
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             learner.actor.normalizer.update(new_obs)
             loop["normalized_upto"] = written
+            mark = self.timeline.phase("learner/normalizer_update", mark)
         if (loop["global_step"] >= args.learning_starts
                 and (written - loop["floor"]) * args.num_envs >= args.learning_starts):
-            batch = self.prefetched or self.sample(written, window, loop["floor"])
+            self.profiler.step()
+            batch = self.prefetched or self.draw(written, window, loop["floor"])
+            self.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
+            mark = self.timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
             self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
+            mark = self.timeline.now()
             self.prefetched = None
             if args.prefetch and args.sync_mode != "lockstep" and not done:
                 self.prefetch(chunks, window)
+                mark = self.timeline.phase("learner/prefetch", mark)
             check_finite(self.metrics, loop["global_step"], learner.num_updates)
+            self.timeline.phase("learner/check_finite", mark)  # (on a GPU: waits for it)
             self.t_first_update = self.t_first_update or t0
             self.t_last_update = time.perf_counter()
         self.timers["learn"] += time.perf_counter() - t0
@@ -915,30 +972,55 @@ class Training:
         if ctrl.slowest() >= nxt:
             if self.args.sync_mode == "async":
                 self.collectors.reading(nxt)
-            self.prefetched = self.sample(nxt * S, nxt_window, self.loop["floor"])
+            self.prefetched = self.draw(nxt * S, nxt_window, self.loop["floor"])
+
+    def draw(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
+        """A sample of the rows before `written` (see Sampler); its time counts as the
+        learner's wait for the sample."""
+        t0, mark = time.perf_counter(), self.timeline.now()
+        if isinstance(self.sample, Mirror):  # (its copy of the new rows, then the gather)
+            self.sample.update(written, window, floor)
+            mark = self.timeline.phase("learner/mirror_copy", mark)
+        batch = self.sample(written, window, floor)
+        self.timeline.phase("learner/gather", mark)
+        self.timers["sample"] += time.perf_counter() - t0
+        return batch
 
     def publish_weights(self) -> None:
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), self.timeline.now()
         self.loop["version"] += 1
         self.ws.publish(self.learner.actor, self.loop["version"])
         self.timers["sync"] += time.perf_counter() - t0
         self.loop["iteration"] += 1
+        self.timeline.phase("learner/weight_sync_write", mark)
+        self.timeline.counter("weights_version", self.loop["version"])
 
     def log(self, done: bool) -> None:
         """Episodes as they finish, losses every 10 iterations, rates when progress is due."""
         writer, step, learner = self.writer, self.loop["global_step"], self.learner
+        mark = self.timeline.now()
         self.episodes_seen, episodes = self.ctrl.all_episodes_since(self.episodes_seen)
-        for ret, length, at in episodes:
+        for ret, length, at, terminated, *term_sums in episodes:
             writer.add_scalar("charts/episodic_return", ret, int(at))
             writer.add_scalar("charts/episodic_length", length, int(at))
+            for name, value in zip(self.collectors.reward_terms, term_sums):
+                writer.add_scalar(f"charts/episodic_{name}", value, int(at))
+            self.tally["terminated" if terminated else "truncated"] += 1
             self.progress.episode(ret)
         if self.metrics is not None and (self.loop["iteration"] % 10 == 0 or done):
-            for k, v in zip(self.metrics, torch.stack(list(self.metrics.values())).tolist()):
+            metrics = self.metrics | learner.diagnostics(self.last_obs)
+            for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
                 writer.add_scalar(f"losses/{k}", v, step)
+            if self.trace:  # (one device sync, only now)
+                self.trace.resolve_device()
+        if self.trace:
+            self.trace.drain(self.ctrl, [proc.pid for proc in self.collectors.procs])
+            self.timeline.counter("replay_rows", self.loop["global_step"])
         if self.progress.due() or done:
             elapsed = time.time() - self.t_start
             writer.add_scalar("charts/SPS", int(step / elapsed), step)
             writer.add_scalar("charts/update_to_data", learner.num_updates / max(step, 1), step)
+            self.log_window(step)
             writer.add_scalar("perf/updates_per_sec", self.progress.updates_per_s(), step)
             timing = self.ctrl.mean_timing()
             writer.add_scalar("perf/collect_time", timing[COLLECT_S], step)
@@ -947,10 +1029,27 @@ class Training:
             for k, v in self.all_timers().items():
                 writer.add_scalar(f"perf/{k}_time", v, step)
             self.progress.show(step, elapsed)
+        self.timeline.phase("learner/log", mark)
+
+    def log_window(self, step: int) -> None:
+        """Rates since the last progress line: how episodes ended, the policy lag; and the
+        replay ratio (transitions sampled per transition collected)."""
+        now, last, writer = self.tally, self.tally_logged, self.writer
+        terminated, truncated = (now[k] - last[k] for k in ("terminated", "truncated"))
+        if terminated + truncated:
+            writer.add_scalar("charts/terminated_rate", terminated / (terminated + truncated),
+                              step)
+            writer.add_scalar("charts/truncated_rate", truncated / (terminated + truncated),
+                              step)
+        if now["lag_iterations"] > last["lag_iterations"]:
+            writer.add_scalar("charts/policy_lag", (now["lag"] - last["lag"])
+                              / (now["lag_iterations"] - last["lag_iterations"]), step)
+        writer.add_scalar("charts/replay_ratio", self.replay_ratio(), step)
+        self.tally_logged = dict(now)
 
     def evaluate(self, final: bool = False) -> None:
         """Deterministic episodes on a separate env (and a video with --capture-video)."""
-        args, step = self.args, self.loop["global_step"]
+        args, step, mark = self.args, self.loop["global_step"], self.timeline.now()
         returns = evaluate(self.learner.actor, args.env, args.eval_episodes, args.seed,
                            self.device)
         self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
@@ -963,14 +1062,18 @@ class Training:
             self.progress.say(f"eval at step {step:,}: return {returns.mean():.1f} "
                               f"+- {returns.std():.1f}")
             self.next_eval = next_multiple(step, args.eval_interval)
+        self.timeline.phase("learner/evaluate", mark)
 
     def save_with_snapshot(self) -> str:
         """A checkpoint, with the collectors' snapshot when one was asked for; its name."""
         name, collector_state = f"checkpoint_{self.loop['global_step']}.pt", None
+        mark = self.timeline.now()
         if self.snapshot_chunk is not None:
             collector_state = self.collectors.snapshots()
         self.checkpoint(name, collector_state)
         self.next_save = next_multiple(self.loop["global_step"], self.args.save_interval)
+        self.timeline.phase("learner/checkpoint", mark)
+        self.write_trace()  # (an interrupted run keeps the timeline up to here)
         return name
 
     def checkpoint(self, name: str, collector_state: list[dict] | None) -> None:
@@ -1004,8 +1107,26 @@ class Training:
         self.evaluate(final=True)
         self.checkpoint("model_final.pt", None)
 
+    def write_trace(self) -> None:
+        """--trace: the timeline so far, to {run_dir}/trace.json."""
+        if self.trace is not None and self.collectors is not None:
+            self.trace.drain(self.ctrl, [proc.pid for proc in self.collectors.procs])
+            self.trace.write(os.path.join(self.run_dir, "trace.json"),
+                             {"script": SCRIPT, "sync_mode": self.args.sync_mode})
+
+    def replay_ratio(self) -> float:
+        """Transitions sampled per transition collected."""
+        sampled = self.learner.num_updates * self.args.batch_size
+        return sampled / max(self.loop["global_step"], 1)
+
     def close(self) -> None:
         """Stop the collectors first, then remove the shared memory."""
+        try:  # (a profile or trace that cannot be written must not keep the collectors running)
+            self.profiler.stop()
+            self.write_trace()
+        except Exception as e:
+            print(f"warning: --trace/--profile-iters: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
         if self.collectors is not None:
             self.ctrl_timing = self.ctrl.mean_timing()
             self.collectors.close()
@@ -1022,6 +1143,11 @@ class Training:
             "final_eval_return": self.final_eval, "device": self.args.device,
             "seed": self.args.seed, "perf": self.perf(),
             "collector_restarts": self.collectors.restarts if self.collectors else 0,
+            "episodes_terminated": self.tally["terminated"],
+            "episodes_truncated": self.tally["truncated"],
+            "replay_ratio": round(self.replay_ratio(), 3),
+            "policy_lag": (round(self.tally["lag"] / self.tally["lag_iterations"], 3)
+                           if self.tally["lag_iterations"] else None),
         }
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -1090,6 +1216,50 @@ def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates
 def next_multiple(step: int, interval: int) -> float:
     """The first multiple of `interval` above `step` (inf when interval is 0: never)."""
     return (step // interval + 1) * interval if interval else math.inf
+
+
+def grad_norm(params) -> torch.Tensor:
+    """The gradients' total 2-norm, on the device (read only when logging is due)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def profile_range(text: str) -> tuple[int, int]:
+    """--profile-iters A:B -> (A, B)."""
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) >= int(m.group(2)):
+        raise ArgsError(f"--profile-iters must be A:B with A < B (training iterations A to "
+                        f"B-1, counted from the first update), got '{text}'")
+    return int(m.group(1)), int(m.group(2))
+
+
+class IterationProfiler:
+    """--profile-iters A:B: torch.profiler (CPU, and CUDA kernels on a GPU) over training
+    iterations A to B-1, written to {run_dir}/profile.json (Chrome trace format, like
+    trace.json): where a launch-bound learner spends its time, kernel by kernel."""
+
+    def __init__(self, iters: str | None, run_dir: str):
+        self.range, self.run_dir = profile_range(iters) if iters else None, run_dir
+        self.count, self.prof = 0, None
+
+    def step(self) -> None:
+        """Call at the start of every training iteration."""
+        if self.range is None:
+            return
+        if self.count == self.range[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.__enter__()
+        elif self.count == self.range[1]:
+            self.stop()
+        self.count += 1
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(os.path.join(self.run_dir, "profile.json"))
 
 
 # =======================================================================================

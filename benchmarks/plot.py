@@ -1,6 +1,7 @@
 """Learning curves from run dirs' TensorBoard events, against env steps and wall time.
 
     python benchmarks/plot.py runs/HalfCheetah-v5__fast_sac__1__* runs/...td3... --out curves.png
+    python benchmarks/plot.py runs/... --tag charts/episodic_return --smooth 50
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class Plot:
     """scalar to plot; charts/episodic_return for training returns"""
     out: str = "curves.png"
     """PNG to write"""
+    smooth: int = 1
+    """moving average over this many points (training returns are noisy: try 20-100); the
+    raw curve stays faint behind the smoothed one. 1: no smoothing"""
 
 
 def load(run_dir: str, tag: str) -> tuple[list[float], list[float], list[float]]:
@@ -34,6 +38,18 @@ def load(run_dir: str, tag: str) -> tuple[list[float], list[float], list[float]]
     t0 = min(e.wall_time for t in events.Tags()["scalars"] for e in events.Scalars(t)[:1])
     return ([p.step for p in points], [(p.wall_time - t0) / 60 for p in points],
             [p.value for p in points])
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to `window - 1` before it (the first points average
+    over fewer, so the curve starts at the first value rather than lagging behind)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def compact(x: float, _pos=None) -> str:
@@ -87,14 +103,21 @@ def main(p: Plot) -> None:
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     names, env = labels(p.run_dirs)
+    if p.smooth < 1:
+        raise SystemExit(f"--smooth must be at least 1, got {p.smooth}")
     for run_dir, label in zip(p.run_dirs, names):
         steps, minutes, values = load(run_dir, p.tag)
-        by_step.plot(steps, values, label=label)
-        by_time.plot(minutes, values, label=label)
+        for ax, x in ((by_step, steps), (by_time, minutes)):
+            if p.smooth > 1:
+                raw = ax.plot(x, values, alpha=0.2, linewidth=0.8)[0]
+                ax.plot(x, moving_average(values, p.smooth), color=raw.get_color(),
+                        label=label if ax is by_step else None)
+            else:
+                ax.plot(x, values, label=label if ax is by_step else None)
     by_step.set_xlabel("environment steps")
     by_step.xaxis.set_major_formatter(FuncFormatter(compact))
     by_time.set_xlabel("wall time (minutes)")
-    by_step.set_ylabel(p.tag)
+    by_step.set_ylabel(p.tag + (f" (moving average of {p.smooth})" if p.smooth > 1 else ""))
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=7)

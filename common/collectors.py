@@ -13,7 +13,7 @@ What crosses the process boundary, and who owns it:
   are created and unlinked by the learner; a collector attaches to them, and unlinks them
   only when it finds its learner dead (the last one out cleans up);
 - `args` (the script's Args; read here: env, seed, num_envs, num_collectors,
-  steps_per_iter, total_timesteps, learning_starts, sync_mode) and a collector's `start`
+  steps_per_iter, total_timesteps, learning_starts, sync_mode, trace) and a collector's `start`
   dict travel once, pickled, when the process is spawned;
 - a snapshot file `.collector_state.{i}.pkl` in the run dir: written by collector i when
   the learner asks for it (Control's snapshot_req), read and removed by the learner.
@@ -35,19 +35,24 @@ import traceback
 import numpy as np
 import torch
 
+from common import trace as T
 from common.control import (
     CHUNKS_DONE,
     COLLECT_S,
     FAILED,
     FINISHED,
     LEARNER_PID,
+    MAX_REWARD_TERMS,
     RUNNING,
     WEIGHT_LOAD_S,
     WEIGHT_WAIT_S,
     Control,
 )
 from common.replay import ReplayBuffer
+from common.trace import NO_RING_WRITER
 from common.weights import WeightSync
+
+TRACE_RING = 16384  # --trace: records per collector's ring (the learner drains it each iteration)
 
 # ---------------------------------------------------------------------------------------
 # the sync schedule (shared by both sides)
@@ -138,22 +143,29 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
     mine = env_slice(args.num_envs, args.num_collectors, index)
     n, S = mine.stop - mine.start, args.steps_per_iter
     policy = make_policy(args, index, n)
+    terms = reward_terms(make_env, args.env)
     if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
         seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
         envs = make_env(args.env, n, seed)
         obs, _ = envs.reset(seed=[seed + i for i in range(n)])
         ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
+        ep_terms = np.zeros((n, len(terms)))
         first_chunk = (start or {}).get("chunk", 0)
     else:  # continue exactly where a snapshot left off
         envs = restore_envs(start["envs"])
         obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
+        ep_terms = start.get("ep_terms", np.zeros((n, len(terms))))
         policy.restore(start["policy"])
         first_chunk = start["chunk"]
+    # --trace: phases go to this collector's ring in the Control block (nothing when off)
+    trace = ctrl.trace_writer() if args.trace else NO_RING_WRITER
     loaded, window = -1, async_window_chunks(args)
     for chunk in range(first_chunk, num_chunks(args)):
         step0 = chunk * S
         random_actions = step0 * args.num_envs < args.learning_starts
+        trace.counter(T.CHUNK_COUNTER, chunk)
         t0 = time.perf_counter()
+        mark = trace.now()
         if args.sync_mode == "async":
             want = None if not random_actions else loaded
             # stay at most one chunk ahead of the slowest collector, and inside the window
@@ -168,20 +180,25 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
             if data is None:
                 return
             t1 = time.perf_counter()
+            mark = trace.phase(T.WAIT_WEIGHTS, mark)
             if data[0] != loaded and not random_actions:
                 ws.load_into(policy.actor, data[1])
             loaded = data[0]
             ctrl.timing[WEIGHT_WAIT_S] += t1 - t0
             ctrl.timing[WEIGHT_LOAD_S] += time.perf_counter() - t1
+            mark = trace.phase(T.LOAD_WEIGHTS, mark, loaded)
         if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
             # for a checkpoint: everything needed to collect this chunk and the rest
             write_atomic(collector_state_file(run_dir, index), pickle.dumps(dict(
                 chunk=chunk, envs=capture_envs(envs), obs=obs, ep_return=ep_return,
-                ep_length=ep_length, policy=policy.state())))
+                ep_length=ep_length, ep_terms=ep_terms, policy=policy.state())))
             ctrl.snapshot_done = ctrl.snapshot_req
+            mark = trace.phase(T.SNAPSHOT, mark)
         t0 = time.perf_counter()
+        chunk_start = mark = trace.now()
         for s in range(S):
             action = policy.act(obs, random_actions)
+            mark = trace.phase(T.ACT, mark)
             next_obs, reward, terminated, truncated, info = envs.step(action)
             done = terminated | truncated
             real_next = next_obs
@@ -191,22 +208,55 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
                 real_next = next_obs.copy()
                 for i in np.flatnonzero(info["_final_obs"]):
                     real_next[i] = info["final_obs"][i]
+            if terms:
+                ep_terms += step_reward_terms(info, terms, n)
+            mark = trace.phase(T.ENV_STEP, mark)
             rb.write(mine, step0 + s, obs, action, reward, real_next, terminated, done)
             ep_return += reward
             ep_length += 1
             for i in np.flatnonzero(done):
-                ctrl.log_episode(ep_return[i], ep_length[i], (step0 + s + 1) * args.num_envs)
-                ep_return[i], ep_length[i] = 0.0, 0
+                ctrl.log_episode(ep_return[i], ep_length[i], (step0 + s + 1) * args.num_envs,
+                                 terminated[i], ep_terms[i])
+                ep_return[i], ep_length[i], ep_terms[i] = 0.0, 0, 0.0
             policy.episodes_ended(done)
             obs = next_obs
+            mark = trace.phase(T.WRITE_ROWS, mark)
         rb.commit(mine, step0 + S)
-        ctrl.chunks_done = chunk + 1
+        ctrl.set_chunk_version(chunk, loaded)
+        mark = trace.phase(T.COMMIT, mark)
+        trace.slice(T.COLLECT_CHUNK, chunk_start, mark, chunk)  # (ends before the learner
+        ctrl.chunks_done = chunk + 1  # can see the chunk)
         ctrl.timing[COLLECT_S] += time.perf_counter() - t0
         if ctrl.stop:
             return
         if parent is not None and not parent.is_alive():
             raise LearnerGone("learner process exited")
     envs.close()
+
+
+def reward_terms(make_env, env_id: str) -> list[str]:
+    """The reward terms an env reports in its step info (gymnasium's MuJoCo tasks:
+    reward_forward, reward_ctrl, ...), sorted; at most MAX_REWARD_TERMS. Collectors sum them
+    per episode; the learner calls this too, so both agree on the order."""
+    envs = make_env(env_id, 1, 0)
+    envs.reset(seed=0)
+    info = envs.step(envs.action_space.sample())[-1]
+    envs.close()
+    names = sorted(k for k in info if k.startswith("reward_"))
+    return names[:MAX_REWARD_TERMS]
+
+
+def step_reward_terms(info: dict, terms: list[str], n: int) -> np.ndarray:
+    """This step's reward terms [n, len(terms)]. An env whose episode ended here was reset
+    within the step (SAME_STEP), so its terms are in info["final_info"]."""
+    values, final = np.zeros((n, len(terms))), info.get("final_info", {})
+    for j, k in enumerate(terms):
+        if k in info:
+            values[:, j] = info[k]
+        if k in final:
+            ended = final["_" + k] if "_" + k in final else info["_final_info"]
+            values[ended, j] = final[k][ended]
+    return values
 
 
 def capture_envs(envs) -> bytes:
@@ -283,7 +333,7 @@ class Collectors:
         self.rb, self.ws, self.ctrl = rb, ws, ctrl
         self.procs: list[mp.Process] = []
         self.num_chunks = num_chunks(args)
-        self.restarts, self.wait_s = 0, 0.0
+        self.restarts, self.wait_s, self.reward_terms = 0, 0.0, []
 
     @classmethod
     def create(cls, name: str, args, run_dir: str, actor: torch.nn.Module, obs_dim: int,
@@ -294,7 +344,8 @@ class Collectors:
             made.append(ReplayBuffer.create(args.num_envs, args.buffer_size // args.num_envs,
                                             obs_dim, act_dim))
             made.append(WeightSync.create(actor))
-            made.append(Control.create(args.num_collectors))
+            made.append(Control.create(args.num_collectors,
+                                       TRACE_RING if args.trace else 0))
             made[-1].all_counters[:, LEARNER_PID] = os.getpid()
         except BaseException:
             for mem in made:
@@ -326,6 +377,8 @@ class Collectors:
         """Start one collector per entry of `starts` (None: fresh, from chunk 0); see the
         module docstring for `make_env` and `make_policy`."""
         self.make_env, self.make_policy = make_env, make_policy
+        # the names of the per-episode sums of reward terms the collectors log, in order
+        self.reward_terms = reward_terms(make_env, self.args.env)
         self.procs = [self._spawn(i, start) for i, start in enumerate(starts)]
 
     def resume_at(self, chunk: int, replay_file: str | None) -> None:

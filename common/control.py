@@ -1,9 +1,11 @@
 """Control: the small shared block through which a learner and its collectors coordinate.
 
 One row per collector holds that collector's progress (chunks written), stop flag, state
-and error text, timings, and a ring of its finished episodes (return, length, env step)
-that the learner reads for logging. A `Control` object is bound to one row (a collector
-uses its own); the learner also uses the methods that read or set every row.
+and error text, timings, a ring of its finished episodes (return, length, env step, whether
+it terminated, and the sums of the env's reward terms) that the learner reads for logging,
+and with --trace a ring of timeline records (see trace.py). A `Control` object is bound to
+one row (a collector uses its own); the learner also uses the methods that read or set every
+row.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from common.shm import SharedArrays
+from common.trace import RECORD, RingWriter, read_ring
 
 RUNNING, FINISHED, FAILED = 0, 1, 2
 EPISODE_RING = 4096
+# an episode: return, length, env step at its end, terminated (1) or truncated (0), then the
+# sums of up to MAX_REWARD_TERMS reward terms the env reports in info (reward_forward, ...)
+MAX_REWARD_TERMS = 8
+EPISODE_FIELDS = 4 + MAX_REWARD_TERMS
 ERROR_BYTES = 16384
 # indices into a row of the float64 "timing" array
 COLLECT_S, WEIGHT_WAIT_S, WEIGHT_LOAD_S = 0, 1, 2
@@ -21,14 +28,17 @@ COLLECT_S, WEIGHT_WAIT_S, WEIGHT_LOAD_S = 0, 1, 2
 CHUNKS_DONE, STOP, STATE, EPISODES, SNAPSHOT_REQ, SNAPSHOT_DONE, SNAPSHOT_CHUNK = range(7)
 LEARNER_PID = 7  # (the same in every row) the learner that created the block
 READ_CHUNK = 8  # (the same in every row) async: the chunks the learner's newest sample used
+TRACE_COUNT = 9  # records written into the row's trace ring
+VERSIONS = 10  # 4 entries: the weights version chunk c was collected with, at VERSIONS + c % 4
 
 
-def _specs(num: int) -> dict:
+def _specs(num: int, trace_ring: int = 0) -> dict:
     return {
-        "counters": ((num, 9), np.int64),
+        "counters": ((num, 14), np.int64),
         "timing": ((num, 4), np.float64),
-        "episodes": ((num, EPISODE_RING, 3), np.float64),
+        "episodes": ((num, EPISODE_RING, EPISODE_FIELDS), np.float64),
         "error": ((num, ERROR_BYTES), np.uint8),
+        "trace": ((num, trace_ring, RECORD), np.int64),
     }
 
 
@@ -42,21 +52,24 @@ class Control:
 
     def __init__(self, arrays: SharedArrays, index: int = 0):
         self.mem, self.index = arrays, index
-        self.num = arrays["counters"].shape[0]
-        self.spec = {"name": arrays.name, "num": self.num}
+        self.num, self.trace_ring = arrays["counters"].shape[0], arrays["trace"].shape[1]
+        self.spec = {"name": arrays.name, "num": self.num, "trace_ring": self.trace_ring}
         self.all_counters, self.all_timing = arrays["counters"], arrays["timing"]
         self.counters, self.timing = self.all_counters[index], self.all_timing[index]
         self.episode_ring, self.error = arrays["episodes"][index], arrays["error"][index]
+        self.trace = arrays["trace"][index]
 
     @classmethod
-    def create(cls, num: int = 1) -> Control:
-        """Allocate a zeroed block with a row for each of `num` collectors."""
-        return cls(SharedArrays.create(_specs(num), prefix="fastrl_ctrl"))
+    def create(cls, num: int = 1, trace_ring: int = 0) -> Control:
+        """Allocate a zeroed block with a row for each of `num` collectors (and a trace ring
+        of `trace_ring` records in each; 0: no tracing)."""
+        return cls(SharedArrays.create(_specs(num, trace_ring), prefix="fastrl_ctrl"))
 
     @classmethod
     def attach(cls, spec: dict, index: int = 0, untrack: bool = False) -> Control:
         """Map the block named in `spec`, bound to row `index`."""
-        return cls(SharedArrays.attach(spec["name"], _specs(spec["num"]), untrack), index)
+        specs = _specs(spec["num"], spec.get("trace_ring", 0))
+        return cls(SharedArrays.attach(spec["name"], specs, untrack), index)
 
     def row(self, index: int) -> Control:
         """The same mapping, bound to another collector's row (close only the original)."""
@@ -86,18 +99,37 @@ class Control:
         """The error recorded by `fail`, or ''."""
         return bytes(self.error).rstrip(b"\0").decode(errors="replace")
 
-    def log_episode(self, ret: float, length: int, env_step: int) -> None:
-        """Append a finished episode (oldest entries are overwritten after EPISODE_RING)."""
+    def log_episode(self, ret: float, length: int, env_step: int, terminated: bool = False,
+                    reward_terms=()) -> None:
+        """Append a finished episode (oldest entries are overwritten after EPISODE_RING);
+        `reward_terms`: the episode's sums of the env's reward terms (at most
+        MAX_REWARD_TERMS, in the order the collector and the learner agreed on)."""
         n = int(self.counters[EPISODES])
-        self.episode_ring[n % EPISODE_RING] = (ret, length, env_step)
+        row = self.episode_ring[n % EPISODE_RING]
+        row[:4] = (ret, length, env_step, terminated)
+        row[4:4 + len(reward_terms)] = reward_terms
         self.counters[EPISODES] = n + 1
 
     def episodes_since(self, seen: int) -> tuple[int, np.ndarray]:
-        """Episodes this row logged after the first `seen`: (new count, return/length/step)."""
+        """Episodes this row logged after the first `seen`: (new count, rows of return,
+        length, env step, terminated, reward terms...)."""
         n = int(self.counters[EPISODES])
         first = max(seen, n - EPISODE_RING)
         idx = np.arange(first, n) % EPISODE_RING
         return n, self.episode_ring[idx].copy()
+
+    def set_chunk_version(self, chunk: int, version: int) -> None:
+        """The weights version `chunk` was collected with (kept for the newest 4 chunks: a
+        collector is at most one chunk ahead of the chunks the learner reads)."""
+        self.counters[VERSIONS + chunk % 4] = version + 1  # (0: not collected in this run)
+
+    def trace_writer(self) -> RingWriter:
+        """The collector's writer into its trace ring (see trace.py)."""
+        return RingWriter(self.trace, self.counters, TRACE_COUNT)
+
+    def trace_since(self, seen: int) -> tuple[int, np.ndarray, int]:
+        """Trace records written after the first `seen`: (new count, records, lost ones)."""
+        return read_ring(self.trace, self.counters, TRACE_COUNT, seen)
 
     # every row (the learner's view)
     def slowest(self) -> int:
@@ -111,6 +143,11 @@ class Control:
 
     def set_read_chunk(self, chunks: int) -> None:
         self.all_counters[:, READ_CHUNK] = chunks
+
+    def chunk_versions(self, chunk: int) -> np.ndarray:
+        """Every collector's weights version for `chunk` (one of its newest 4; -1 where it
+        was not collected by this run, as before a resume)."""
+        return self.all_counters[:, VERSIONS + chunk % 4] - 1
 
     def stop_all(self) -> None:
         self.all_counters[:, STOP] = 1
@@ -136,7 +173,7 @@ class Control:
     def close(self) -> None:
         """Unmap in this process."""
         self.all_counters = self.all_timing = self.counters = self.timing = None
-        self.episode_ring = self.error = None
+        self.episode_ring = self.error = self.trace = None
         self.mem.close()
 
     def unlink(self) -> None:

@@ -148,6 +148,7 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, tm
         count, episodes = ctrl.episodes_since(0)
         assert count == int(rb.dones[:, :n].sum())
         assert (episodes[:, 1] > 0).all()
+        assert episodes[:, 3].sum() == term.sum()  # ended by termination, not truncation
     finally:
         if proc.is_alive():
             proc.kill()
@@ -196,7 +197,7 @@ def test_control_rows_are_per_collector(no_shm_leak):
         ctrl.chunks_done = 5
         assert ctrl.slowest() == 4
         counts, episodes = ctrl.all_episodes_since([0, 0, 0])
-        assert counts == [0, 0, 1] and episodes.tolist() == [[1.5, 10, 80]]
+        assert counts == [0, 0, 1] and episodes[:, :4].tolist() == [[1.5, 10, 80, 0]]
         ctrl.ask_snapshot(3)
         assert not ctrl.snapshots_taken() and other.snapshot_chunk == 3
         for i in range(3):
