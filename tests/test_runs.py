@@ -37,9 +37,12 @@ def check_run_dir(run_dir, mode, script):
 
 
 SCRIPTS = ["fast_sac.py", "fast_td3.py"]
-# fault handling is the same code in the multi-GPU script; run as one process it needs no
-# torchrun
-FAULT_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
+# every script, where the Learner (which differs between scripts) takes part
+ALL_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
+# fault handling: fast_td3.py's plumbing is fast_sac.py's text (test_shared_text holds it
+# so), while fast_sac_multigpu.py's training loop is its own; run as one process it needs
+# no torchrun
+FAULT_SCRIPTS = ["fast_sac.py", "fast_sac_multigpu.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -217,7 +220,7 @@ def test_learner_killed_collector_exits_and_removes_memory(script, collectors, t
     assert not leaked(before)
 
 
-@pytest.mark.parametrize("script", FAULT_SCRIPTS)
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_fast_path_flags_train_on_cpu(script, tmp_path, no_shm_leak):
     """The GPU fast path's code (compiled losses, bf16 autocast, prefetching) also runs on
     the CPU when asked for, in every script."""
