@@ -118,13 +118,20 @@ def overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float
     return total
 
 
-def table(labels: dict, events: list[dict], lo: float, hi: float) -> str:
+def by_track(labels: dict, events: list[dict], lo: float, hi: float) -> tuple[dict, list]:
+    """The slices that reach into [lo, hi), per track, and the tracks in order: the learner
+    first, then by name."""
     tracks = defaultdict(list)
     for e in events:
         if e["ts"] < hi and e["ts"] + e["dur"] > lo:
             tracks[e["pid"], e.get("tid", 0)].append(e)
     order = sorted(tracks, key=lambda k: (not labels.get(k, "").startswith("learner"),
                                           labels.get(k, ""), k))
+    return tracks, order
+
+
+def table(labels: dict, events: list[dict], lo: float, hi: float) -> str:
+    tracks, order = by_track(labels, events, lo, hi)
     lines = [f"{(hi - lo) / 1e6:.2f} s of the run read; per process, the share of the time "
              "it recorded in each phase (self time)", ""]
     learner_busy = None
@@ -159,12 +166,7 @@ def draw(path: str, labels: dict, events: list[dict], lo: float, hi: float) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tracks = defaultdict(list)
-    for e in events:
-        if e["ts"] < hi and e["ts"] + e["dur"] > lo:
-            tracks[e["pid"], e.get("tid", 0)].append(e)
-    order = sorted(tracks, key=lambda k: (not labels.get(k, "").startswith("learner"),
-                                          labels.get(k, ""), k))
+    tracks, order = by_track(labels, events, lo, hi)
     phases = sorted({e["name"] for t in tracks.values() for e in t})
     colours = iter([*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors,
                     *plt.get_cmap("Set2").colors] * 2)
