@@ -616,8 +616,9 @@ class Learner:
         self.target_entropy = act_dim * args.target_entropy + self.log_scale
         self.act_dim = act_dim
         betas = (0.9, 0.95)
-        # one fused kernel per optimizer step on CUDA; multi-tensor (foreach) ops on CPU
-        fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+        # one fused kernel per optimizer step: one launch on CUDA, and on CPU a third of the
+        # time of the multi-tensor (foreach) step (about 140 against 440 us for the critics)
+        fused = dict(fused=True)
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=args.actor_lr,
                                            betas=betas, weight_decay=args.weight_decay,
                                            **fused)
