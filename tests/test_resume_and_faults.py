@@ -227,8 +227,9 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
 
 
 def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_leak):
-    """A checkpoint from a GPU machine (device, compile, bf16, prefetch, fused optimizer
-    kernels) resumed on this CPU machine runs with this machine's settings."""
+    """A checkpoint from a GPU machine (device, compile, bf16, prefetch), with optimizers
+    saved by a version that used foreach kernels, resumed on this CPU machine runs with this
+    machine's settings and this version's fused kernels."""
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", first)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -237,7 +238,7 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
     ckpt["args"] |= {"device": "cuda", "compile": True, "amp": True, "prefetch": True}
     for opt in ("actor_opt", "critic_opt", "alpha_opt"):
         for group in ckpt[opt]["param_groups"]:
-            group |= {"fused": True, "foreach": None}
+            group |= {"fused": None, "foreach": True}
     torch.save(ckpt, path)
     res = run_script("fast_sac.py", "--resume", path, "--total-timesteps", "1000", "--run-dir",
                      second)
@@ -247,7 +248,7 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
     assert not (resumed["args"]["compile"] or resumed["args"]["amp"]
                 or resumed["args"]["prefetch"])
     for opt in ("actor_opt", "critic_opt", "alpha_opt"):
-        assert all(g["foreach"] and not g["fused"] for g in resumed[opt]["param_groups"])
+        assert all(g["fused"] and not g["foreach"] for g in resumed[opt]["param_groups"])
 
 
 def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_path,
