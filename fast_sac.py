@@ -96,9 +96,10 @@ class Args:
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
     v_min: float | None = None
-    """lowest value of the critics' support (default: per env family, see VALUE_RANGES)"""
+    """lowest value of the critics' support (default: per env family, see VALUE_RANGES; an
+    env the table lacks: it follows the returns seen, see ReturnRange)"""
     v_max: float | None = None
-    """highest value of the critics' support (default: per env family, see VALUE_RANGES)"""
+    """highest value of the critics' support (default: like --v-min)"""
 
     # sizes; None means the recipe default for the learner's device (see README)
     num_envs: int | None = None
@@ -198,10 +199,9 @@ class Args:
 VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
-    "Ant": (-200.0, 1200.0), "Swimmer": (-50.0, 200.0), "InvertedPendulum": (0.0, 110.0),
-    "InvertedDoublePendulum": (0.0, 1000.0), "Reacher": (-100.0, 0.0), "Pusher": (-200.0, 0.0),
+    "Ant": (-200.0, 1200.0), "InvertedPendulum": (0.0, 110.0),
+    "InvertedDoublePendulum": (0.0, 1000.0),
 }
-DEFAULT_VALUE_RANGE = (-1000.0, 1000.0)
 
 # --target-entropy's default per env family, in nats per action dimension with the actions
 # in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (README: Entropy target):
@@ -283,7 +283,11 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     recipe = GPU_RECIPE if device == "cuda" else CPU_RECIPE
     filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
     family = env_id.split("-v")[0]
-    v_min, v_max = VALUE_RANGES.get(family, DEFAULT_VALUE_RANGE)
+    if (args.v_min is None) != (args.v_max is None) and family not in VALUE_RANGES:
+        raise ArgsError(f"{env_id} has no value range in VALUE_RANGES: give both --v-min and "
+                        "--v-max, or neither (the critics' support then follows the returns "
+                        "seen)")
+    v_min, v_max = VALUE_RANGES.get(family, (None, None))  # (None: see ReturnRange)
     args = dataclasses.replace(args, env=env_id, device=device, **filled,
                                v_min=v_min if args.v_min is None else args.v_min,
                                v_max=v_max if args.v_max is None else args.v_max)
@@ -311,7 +315,7 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
                         f"{args.num_collectors}: each collector steps at least one env")
     if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
         raise ArgsError("--gamma and --tau must lie in (0, 1]")
-    if args.v_min >= args.v_max:
+    if args.v_min is not None and args.v_min >= args.v_max:
         raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
     if args.learning_starts >= args.total_timesteps:
         raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
@@ -529,6 +533,13 @@ class Critics(nn.Module):
         """Expected values [2, B] of the critics' distributions."""
         return (self(obs, action).softmax(-1) * self.support).sum(-1)
 
+    @torch.no_grad()
+    def set_support(self, v_min: float, v_max: float) -> None:
+        """Move the atoms to [v_min, v_max]; the networks stay, so each atom's probability
+        now stands for its new value (made on the device: no copy that waits for it)."""
+        n, device = self.support.shape[0], self.support.device
+        self.support.copy_(torch.linspace(v_min, v_max, n, device=device))
+
 
 def project(probs, rewards, discounts, support) -> torch.Tensor:
     """C51 projection of the distribution r + discount * Z onto the fixed `support`.
@@ -549,6 +560,45 @@ def project(probs, rewards, discounts, support) -> torch.Tensor:
     out.scatter_add_(1, lo, probs * (hi.to(b.dtype) - b))
     out.scatter_add_(1, hi, probs * (b - lo.to(b.dtype)))
     return out
+
+
+def initial_support(args: Args) -> tuple[float, float]:
+    """[--v-min, --v-max]; without them, a stand-in until ReturnRange sets the support."""
+    return (args.v_min, args.v_max) if args.v_min is not None else (-1.0, 1.0)
+
+
+class ReturnRange:
+    """The critics' support on an env that VALUE_RANGES lacks (and without --v-min/--v-max):
+    it follows the returns seen. Each env keeps the discounted sum of its episode's rewards
+    so far, G <- reward + gamma * G, which spans the range the values span (a constant
+    reward r brings both to r / (1 - gamma)). The support covers the lowest and highest G
+    seen, and 0, widened by a quarter of that width below and by half of it above, as an
+    improving policy's values lie above the returns collected so far. It is set before the
+    first update, from the random actions' rewards, and widens as new rows arrive."""
+
+    def __init__(self, num_envs: int, gamma: float):
+        self.gamma, self.g, self.lo, self.hi = gamma, np.zeros(num_envs), 0.0, 0.0
+
+    def update(self, rewards: np.ndarray, dones: np.ndarray) -> None:
+        """Fold in rewards and episode ends, [num_envs, steps] in the order collected."""
+        for t in range(rewards.shape[1]):
+            self.g = rewards[:, t] + self.gamma * self.g
+            self.lo, self.hi = min(self.lo, float(self.g.min())), max(self.hi, float(self.g.max()))
+            self.g = self.g * (1.0 - dones[:, t])
+
+    def support(self) -> tuple[float, float]:
+        width = max(self.hi - self.lo, 1e-3)
+        return self.lo - width / 4, self.hi + width / 2
+
+    def state(self) -> dict:
+        return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
+
+    def load(self, state: dict, episodes_continue: bool) -> None:
+        """Restore a checkpoint's range; the sums only when the episodes continue (their
+        rows are in the restored replay)."""
+        self.lo, self.hi = state["lo"], state["hi"]
+        if episodes_continue:
+            self.g = state["g"].copy()
 
 
 def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -604,9 +654,9 @@ class Learner:
         self.args, self.device = args, device
         self.actor = make_actor(args, obs_dim, act_dim, low, high).to(device)
         self.critics = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
-                               args.v_min, args.v_max).to(device)
+                               *initial_support(args)).to(device)
         self.critics_target = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
-                                      args.v_min, args.v_max).to(device)
+                                      *initial_support(args)).to(device)
         self.critics_target.load_state_dict(self.critics.state_dict())
         self.critics_target.requires_grad_(False)
         self.log_alpha = torch.tensor(math.log(args.alpha_init), device=device,
@@ -882,6 +932,8 @@ class Training:
         self.tally = dict(terminated=0, truncated=0, lag=0.0, lag_iterations=0)
         self.tally_logged = dict(self.tally)
         self.last_obs = None
+        # the critics' support follows the returns seen (an env VALUE_RANGES lacks)
+        self.value_range = ReturnRange(args.num_envs, args.gamma) if args.v_min is None else None
 
     def start(self, resume: dict | None) -> None:
         """Create the shared memory, load `resume`, publish the first weights and start the
@@ -940,6 +992,8 @@ class Training:
             # its losses and weights back, so it waits for nothing)
             new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
             learner.actor.normalizer.update(new_obs)
+            if self.value_range is not None:
+                self.follow_returns(first, written)
             loop["normalized_upto"] = written
             mark = self.timeline.phase("learner/normalizer_update", mark)
         if (loop["global_step"] >= args.learning_starts
@@ -959,6 +1013,13 @@ class Training:
             self.t_first_update = self.t_first_update or t0
             self.t_last_update = time.perf_counter()
         self.timers["learn"] += time.perf_counter() - t0
+
+    def follow_returns(self, first: int, written: int) -> None:
+        """Widen the critics' support to the returns in the new rows (see ReturnRange)."""
+        vr, idx = self.value_range, np.arange(first, written) % self.rb.capacity
+        vr.update(self.rb.rewards[:, idx], self.rb.dones[:, idx])
+        for critics in (self.learner.critics, self.learner.critics_target):
+            critics.set_support(*vr.support())
 
     def prefetch(self, chunks: int, window: int) -> None:
         """--prefetch: gather the next sample while the GPU trains, with the same rows and
@@ -1046,6 +1107,9 @@ class Training:
             writer.add_scalar("charts/policy_lag", (now["lag"] - last["lag"])
                               / (now["lag_iterations"] - last["lag_iterations"]), step)
         writer.add_scalar("charts/replay_ratio", self.replay_ratio(), step)
+        if self.value_range is not None:
+            for name, value in zip(("v_min", "v_max"), self.value_range.support()):
+                writer.add_scalar(f"charts/{name}", value, step)
         self.tally_logged = dict(now)
 
     def evaluate(self, final: bool = False) -> None:
@@ -1088,7 +1152,8 @@ class Training:
             "restarts": self.collectors.restarts,
             "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "collector": collector_state, "replay": None}
+            "collector": collector_state, "replay": None,
+            "value_range": self.value_range and self.value_range.state()}
         if collector_state is not None and self.args.save_replay:
             state["replay"] = name.removesuffix(".pt") + ".replay.npz"
             self.rb.save(os.path.join(self.run_dir, state["replay"]),
@@ -1476,6 +1541,8 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
     loop, S = run.loop, run.args.steps_per_iter
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
     run.collectors.restarts = ckpt["restarts"]
+    if run.value_range is not None and ckpt.get("value_range"):
+        run.value_range.load(ckpt["value_range"], episodes_continue=bool(ckpt["replay"]))
     # without a snapshot, fresh episodes start at the chunk that uses the saved weights
     first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
     starts = ckpt["collector"] or [{"chunk": first, "restart": ckpt["restarts"] + 1}] * run.ctrl.num

@@ -146,15 +146,18 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return allreduce_min(0 if flag else 1, info) == 0
 
 
-def allreduce_min(value: int | list[int], info: DistInfo) -> int | list[int]:
-    """The smallest `value` over all ranks (ranks use it to agree on progress); a list is
-    reduced element by element in one all-reduce. It travels as a CPU tensor over gloo (a
-    group of its own beside NCCL), so it neither queues work on a GPU nor waits for one."""
+def allreduce_min(value, info: DistInfo):
+    """The smallest `value` (an int or float, or a list of them) over all ranks (ranks use
+    it to agree on progress); a list is reduced element by element in one all-reduce. It
+    travels as a CPU tensor over gloo (a group of its own beside NCCL), so it neither queues
+    work on a GPU nor waits for one."""
     if not info.distributed:
         return value
-    t = torch.tensor(value, dtype=torch.int64).reshape(-1)
+    values = value if isinstance(value, list) else [value]
+    dtype = torch.float64 if any(isinstance(v, float) for v in values) else torch.int64
+    t = torch.tensor(values, dtype=dtype)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_control_group)
-    return t.tolist() if isinstance(value, list) else int(t[0])
+    return t.tolist() if isinstance(value, list) else t[0].item()
 
 
 def param_hash(modules: Iterable[torch.nn.Module]) -> str:

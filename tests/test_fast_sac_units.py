@@ -93,6 +93,7 @@ def test_env_name_resolution_and_suggestions():
     (dict(buffer_size=1000, batch_size=2000, num_envs=2), "raise --buffer-size"),
     (dict(learning_starts=10_000, total_timesteps=5_000), "--learning-starts"),
     (dict(v_min=5.0, v_max=1.0), "--v-min"),
+    (dict(env="Reacher", v_max=0.0), "give both --v-min and --v-max, or neither"),
     (dict(buffer_size=10**10), "shared memory but /dev/shm has only"),
 ])
 def test_bad_arguments_are_rejected(changes, message):
@@ -105,6 +106,27 @@ def test_recipe_defaults_fill_only_unset_fields():
     args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", batch_size=64))
     assert args.batch_size == 64 and args.num_envs == fs.CPU_RECIPE["num_envs"]
     assert args.env == "Pendulum-v1" and (args.v_min, args.v_max) == fs.VALUE_RANGES["Pendulum"]
+
+
+def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
+    """Reacher is not in VALUE_RANGES: no --v-min/--v-max, and ReturnRange's support spans
+    the lowest and highest discounted running return seen (and 0), with headroom."""
+    args = fs.resolve_args(fs.Args(env="Reacher", device="cpu"))
+    assert "Reacher" not in fs.VALUE_RANGES and args.v_min is None and args.v_max is None
+    vr = fs.ReturnRange(num_envs=2, gamma=0.5)
+    # env 0: rewards 4, 4 then an episode end, then -2; env 1: -1 every step
+    vr.update(np.array([[4.0, 4.0, -2.0], [-1.0, -1.0, -1.0]]),
+              np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    # env 0: G = 4, 4 + 0.5 * 4 = 6, then -2 (a new episode); env 1: -1, -1.5, -1.75
+    assert (vr.lo, vr.hi) == (-2.0, 6.0)
+    assert np.allclose(vr.g, [-2.0, -1.75])
+    assert vr.support() == (-2.0 - 8 / 4, 6.0 + 8 / 2)
+    critics = fs.Critics(3, 1, 16, 11, *fs.initial_support(args))
+    critics.set_support(*vr.support())
+    assert torch.allclose(critics.support, torch.linspace(-4.0, 10.0, 11))
+    positive = fs.ReturnRange(num_envs=1, gamma=0.9)
+    positive.update(np.array([[1.0, 1.0]]), np.zeros((1, 2)))
+    assert positive.lo == 0.0 and positive.support()[0] < 0  # 0 is always inside
 
 
 @pytest.mark.parametrize("env_id, expect_terminations", [("Pendulum-v1", False),

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import ROOT, SMALL, leaked, run_script, shm_files
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -52,7 +53,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def two_nodes(run_dir, *flags):
+def two_nodes(run_dir, *flags, base=SMALL):
     """Two torchrun agents on this machine as two nodes of one rank each, launched as
     docs/slurm_multinode.sbatch launches them (c10d rendezvous, one job id), each node with
     its own collector; (return codes, stdouts, stderrs)."""
@@ -60,7 +61,7 @@ def two_nodes(run_dir, *flags):
     procs = [subprocess.Popen(
         [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--shutdown-timeout", "110",
-         SCRIPT, *SMALL, "--sync-mode", "pipelined", "--run-dir", run_dir,
+         SCRIPT, *base, "--sync-mode", "pipelined", "--run-dir", run_dir,
          "--replay-mirror", "True", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         for _ in (0, 1)]
@@ -70,23 +71,32 @@ def two_nodes(run_dir, *flags):
 
 def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
     """--total-timesteps counts both nodes' env steps: each node collects half, and a
-    --resume auto past the halfway point continues to the new total."""
+    --resume auto past the halfway point continues to the new total. On Reacher, which
+    VALUE_RANGES lacks, so the critics' support follows the returns that both nodes saw,
+    the same on both ranks (their hashes include it)."""
     run_dir = str(tmp_path / "run")
     flags = ["--save-interval", "400", "--resume", "auto"]
-    codes, _, errs = two_nodes(run_dir, "--total-timesteps", "1200", *flags)
+    reacher = [("Reacher-v5" if a == "Pendulum-v1" else a) for a in SMALL]
+    codes, _, errs = two_nodes(run_dir, "--total-timesteps", "1200", *flags, base=reacher)
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     s = summary(run_dir)
     assert s["status"] == "completed" and s["world_size"] == 2 and s["nodes"] == 2
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
     # 1200 env steps of 2 nodes x 2 envs x 10 steps per iteration: 30 iterations
     assert s["total_env_steps"] == 1200 and s["iterations"] == 30, s
-    codes, outs, errs = two_nodes(run_dir, "--total-timesteps", "2000", *flags)
+    codes, outs, errs = two_nodes(run_dir, "--total-timesteps", "2000", *flags, base=reacher)
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     out = "".join(outs)  # (rank 0 prints; the rendezvous decides which agent holds it)
     assert "resuming" in out and "at env step 1,200" in out, out[-2000:]
     s = summary(run_dir)
     assert s["status"] == "completed" and s["total_env_steps"] == 2000, s
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
+    final = torch.load(os.path.join(run_dir, "model_final.pt"), weights_only=False)
+    support, vr = final["critics"]["support"], final["value_range"]
+    # random actions on Reacher earn about -0.8 a step: running returns reach -30 and lower
+    assert vr["lo"] < -10 and vr["hi"] == 0.0
+    assert (support[0].item(), support[-1].item()) == pytest.approx(
+        (vr["lo"] * 1.25, -vr["lo"] / 2), rel=1e-5)
 
 
 def test_single_process_without_torchrun_behaves_like_fast_sac(tmp_path, no_shm_leak):
