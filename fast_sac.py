@@ -797,10 +797,11 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         for k in self.SAVED:
             saved, mine = state[k], getattr(self, k).state_dict()
-            if "param_groups" in saved:  # an optimizer: keep this machine's kernel choice
-                kernels = [{f: g.get(f) for f in ("fused", "foreach")}
-                           for g in mine["param_groups"]]
-                groups = [g | c for g, c in zip(saved["param_groups"], kernels)]
+            if "param_groups" in saved:  # an optimizer: its moments, but this run's
+                # settings (learning rate, weight decay and betas, from the saved arguments
+                # or the flags given on resume) and this machine's kernel choice
+                groups = [g | {f: v for f, v in m.items() if f != "params"}
+                          for g, m in zip(saved["param_groups"], mine["param_groups"])]
                 saved = saved | {"param_groups": groups}
             getattr(self, k).load_state_dict(saved)
         with torch.no_grad():

@@ -254,7 +254,8 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
 def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_path,
                                                                            no_shm_leak):
     """A run saved with --quiet, --save-interval 200 and --log-interval 1, resumed with
-    --no-quiet, --save-interval=0 and --log-interval 10.0: the defaults, given now."""
+    --no-quiet, --save-interval=0 and --log-interval 10.0: the defaults, given now. And a
+    new --critic-lr reaches the optimizer, whose saved state holds the old one."""
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--quiet",
                      "--save-interval", "200", "--keep-checkpoints", "10", "--run-dir", run_dir)
@@ -267,14 +268,18 @@ def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_pa
                         "5", "--seed", "1"]) == {"resume", "quiet", "save_interval",
                                                  "total_timesteps", "seed"}
     res = run_script("fast_sac.py", "--resume", run_dir, "--no-quiet", "--save-interval=0",
-                     "--total-timesteps", "1000", "--log-interval", "10.0")
+                     "--total-timesteps", "1000", "--log-interval", "10.0",
+                     "--critic-lr", "0.001")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step " in res.stdout  # --no-quiet: progress lines again
     after = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
     assert after == before  # --save-interval 0: no new checkpoint
-    saved = final_params(run_dir)["args"]
+    final = final_params(run_dir)
+    saved = final["args"]
     assert saved["quiet"] is False and saved["save_interval"] == 0
-    assert saved["log_interval"] == 10.0
+    assert saved["log_interval"] == 10.0 and saved["critic_lr"] == 0.001
+    assert [g["lr"] for g in final["critic_opt"]["param_groups"]] == [0.001]
+    assert [g["lr"] for g in final["actor_opt"]["param_groups"]] == [3e-4]
 
 
 def test_resume_auto_continues_a_single_process_run(tmp_path, no_shm_leak):
