@@ -558,6 +558,7 @@ class ReturnRange:
 
     def __init__(self, num_envs: int, gamma: float):
         self.gamma, self.g, self.lo, self.hi = gamma, np.zeros(num_envs), 0.0, 0.0
+        self.applied = None  # the support last handed to the critics
 
     def update(self, rewards: np.ndarray, dones: np.ndarray) -> None:
         """Fold in rewards and episode ends, [num_envs, steps] in the order collected."""
@@ -569,6 +570,14 @@ class ReturnRange:
     def support(self) -> tuple[float, float]:
         width = max(self.hi - self.lo, 1e-3)
         return self.lo - width / 4, self.hi + width / 2
+
+    def changed_support(self) -> tuple[float, float] | None:
+        """The support, if it differs from the one last returned here; else None."""
+        support = self.support()
+        if support == self.applied:
+            return None
+        self.applied = support
+        return support
 
     def state(self) -> dict:
         return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
@@ -996,8 +1005,9 @@ class Training:
         """Widen the critics' support to the returns in the new rows (see ReturnRange)."""
         vr, idx = self.value_range, np.arange(first, written) % self.rb.capacity
         vr.update(self.rb.rewards[:, idx], self.rb.dones[:, idx])
-        for critics in (self.learner.critics, self.learner.critics_target):
-            critics.set_support(*vr.support())
+        if (support := vr.changed_support()) is not None:
+            for critics in (self.learner.critics, self.learner.critics_target):
+                critics.set_support(*support)
 
     def prefetch(self, chunks: int, window: int) -> None:
         """--prefetch: gather the next sample while the GPU trains, with the same rows and

@@ -29,13 +29,25 @@ def leaked(before: set[str]) -> set[str]:
     return {f for f in shm_files() - before if orphan(f)}
 
 
+def assert_no_leak(before: set[str], seconds: float = 30) -> None:
+    """Polls until no segment counted by `leaked(before)` is left; fails at the deadline (a
+    process that exits removes its segments a moment later, not at once)."""
+    import time
+
+    deadline = time.time() + seconds
+    while leaked(before) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not leaked(before), f"shared memory left behind: {leaked(before)}"
+
+
 @pytest.fixture
 def no_shm_leak():
-    """Fails the test if it leaves any of our segments in /dev/shm."""
+    """Fails the test if it leaves any of our segments in /dev/shm. (Polled: a test that
+    runs beside this one, under pytest -n, may have killed a process whose segments its
+    collector removes a moment later.)"""
     before = shm_files()
     yield
-    left = leaked(before)
-    assert not left, f"shared memory left behind: {left}"
+    assert_no_leak(before)
 
 
 def run_script(script: str, *flags: str, timeout: float = 300, env: dict | None = None,

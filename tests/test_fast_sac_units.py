@@ -122,8 +122,13 @@ def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
     assert np.allclose(vr.g, [-2.0, -1.75])
     assert vr.support() == (-2.0 - 8 / 4, 6.0 + 8 / 2)
     critics = fs.Critics(3, 1, 16, 11, *fs.initial_support(args))
-    critics.set_support(*vr.support())
+    critics.set_support(*vr.changed_support())
     assert torch.allclose(critics.support, torch.linspace(-4.0, 10.0, 11))
+    # handed to the critics once: rows inside the range change nothing to hand over again
+    vr.update(np.array([[1.0], [1.0]]), np.zeros((2, 1)))
+    assert vr.changed_support() is None
+    vr.update(np.array([[9.0], [0.0]]), np.zeros((2, 1)))
+    assert vr.changed_support() == vr.support() and vr.hi == 9.0  # (env 0: 9 + 0.5 * 0)
     positive = fs.ReturnRange(num_envs=1, gamma=0.9)
     positive.update(np.array([[1.0, 1.0]]), np.zeros((1, 2)))
     assert positive.lo == 0.0 and positive.support()[0] < 0  # 0 is always inside
@@ -170,7 +175,8 @@ def test_collector_stores_true_final_observation(env_id, expect_terminations, tm
         count, episodes = ctrl.episodes_since(0)
         assert count == int(rb.dones[:, :n].sum())
         assert (episodes[:, 1] > 0).all()
-        assert episodes[:, 3].sum() == term.sum()  # ended by termination, not truncation
+        # ended by termination, not truncation (the last row's episode end counts too)
+        assert episodes[:, 3].sum() == rb.terminated[:, :n].sum()
     finally:
         if proc.is_alive():
             proc.kill()

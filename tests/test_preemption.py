@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, leaked, run_script, shm_files, wait_for_updates
+from conftest import ROOT, SMALL, assert_no_leak, leaked, run_script, shm_files, wait_for_updates
 from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pids
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary, wait_gone
@@ -42,10 +42,10 @@ def alive(pids):
 def wait_all_gone(pids, before, seconds=30):
     """Every process in `pids` has exited and no segment is left in /dev/shm (polled)."""
     deadline = time.time() + seconds
-    while (alive(pids) or leaked(before)) and time.time() < deadline:
+    while alive(pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not alive(pids), f"processes left: {alive(pids)}"
-    assert not leaked(before)
+    assert_no_leak(before, seconds)
 
 
 @pytest.mark.parametrize("mode, target", [("lockstep", "learner"), ("pipelined", "group")])

@@ -221,7 +221,7 @@ def test_killed_run_keeps_the_trace_of_its_last_checkpoint(tmp_path, no_shm_leak
     import sys
     import time
 
-    from conftest import ROOT, leaked, shm_files
+    from conftest import ROOT, assert_no_leak, shm_files
 
     before = shm_files()
     run_dir = str(tmp_path / "run")
@@ -241,9 +241,7 @@ def test_killed_run_keeps_the_trace_of_its_last_checkpoint(tmp_path, no_shm_leak
     _, events, names = load_trace(os.path.join(run_dir, "trace.json"))
     assert "learner/checkpoint" in {e["name"] for e in slices(events)}
     assert any(name.startswith("collector") for name in names.values())
-    deadline = time.time() + 20
-    while leaked(before) and time.time() < deadline:
-        time.sleep(0.2)
+    assert_no_leak(before)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
