@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, assert_no_leak, leaked, run_script, shm_files, wait_for_updates
+from conftest import ROOT, SMALL, assert_no_leak, run_script, shm_files, wait_for_updates
 from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pids
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary, wait_gone
@@ -115,7 +115,7 @@ def test_sigterm_to_every_process_of_a_torchrun_job(tmp_path):
     a, b = summary(full), summary(run)
     assert b["status"] == "completed" and b["total_env_steps"] == int(end)
     assert a["rank_param_hashes"] == b["rank_param_hashes"]
-    assert not leaked(before)
+    assert_no_leak(before)
 
 
 def test_second_signal_aborts_and_keeps_previous_checkpoint(tmp_path, no_shm_leak):
