@@ -40,6 +40,37 @@ def assert_no_leak(before: set[str], seconds: float = 30) -> None:
     assert not leaked(before), f"shared memory left behind: {leaked(before)}"
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: it runs nothing and holds no segment)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and not gone(pid):
+        time.sleep(0.1)
+    return gone(pid)
+
+
+def assert_all_gone(pids, before: set[str], seconds: float = 30) -> None:
+    """Every process in `pids` exits within `seconds` and leaves no segment in /dev/shm."""
+    import time
+
+    deadline = time.time() + seconds
+    while any(not gone(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if not gone(p)]
+    assert not left, f"processes left: {left}"
+    assert_no_leak(before, seconds)
+
+
 @pytest.fixture
 def no_shm_leak():
     """Fails the test if it leaves any of our segments in /dev/shm. (Polled: a test that

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, assert_no_leak, run_script, shm_files
+from conftest import ROOT, SMALL, assert_all_gone, assert_no_leak, run_script, shm_files
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SCRIPT = os.path.join(ROOT, "fast_sac_multigpu.py")
@@ -173,15 +173,7 @@ def test_killed_rank_stops_every_process(tmp_path):
     agent.communicate(timeout=90)
     assert agent.returncode != 0
     assert time.time() - t0 < 60
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        alive = [p for p in tree if os.path.exists(f"/proc/{p}")
-                 and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-        if not alive:
-            break
-        time.sleep(0.2)
-    assert not alive, f"processes left: {alive}"
-    assert_no_leak(before)
+    assert_all_gone(tree, before)
 
 
 def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm_leak):

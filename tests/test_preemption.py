@@ -11,10 +11,19 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, assert_no_leak, run_script, shm_files, wait_for_updates
+from conftest import (
+    ROOT,
+    SMALL,
+    assert_all_gone,
+    assert_no_leak,
+    run_script,
+    shm_files,
+    wait_for_updates,
+    wait_gone,
+)
 from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pids
 from test_resume_and_faults import assert_same_params, final_params
-from test_runs import children, read_summary, wait_gone
+from test_runs import children, read_summary
 
 EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
          "--save-replay"]
@@ -33,19 +42,6 @@ def start(script, *flags):
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     wait_for_updates(proc)
     return proc
-
-
-def alive(pids):
-    return [p for p in pids if not wait_gone(p, 0)]
-
-
-def wait_all_gone(pids, before, seconds=30):
-    """Every process in `pids` has exited and no segment is left in /dev/shm (polled)."""
-    deadline = time.time() + seconds
-    while alive(pids) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not alive(pids), f"processes left: {alive(pids)}"
-    assert_no_leak(before, seconds)
 
 
 @pytest.mark.parametrize("mode, target", [("lockstep", "learner"), ("pipelined", "group")])
@@ -99,7 +95,7 @@ def test_sigterm_to_every_process_of_a_torchrun_job(tmp_path):
     _, err = agent.communicate(timeout=120)
     assert len(re.findall(r"rank \d interrupted: checkpoint_\d+\.pt written", err)) == 2, \
         err[-3000:]
-    wait_all_gone(tree, before)
+    assert_all_gone(tree, before)
     (step,) = checkpoints(run)
     assert read_summary(run)["status"] == "interrupted"
     saved = torch.load(os.path.join(run, f"checkpoint_{step}.pt"), weights_only=False)
@@ -208,4 +204,4 @@ def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
     resumed = re.findall(r"resuming \S+checkpoint_(\d+)\.pt at env step", out)
     assert resumed and int(resumed[0]) >= killed_at, out[-3000:]
-    wait_all_gone([], before)
+    assert_all_gone([], before)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, assert_no_leak, run_script, shm_files, wait_for_updates
+from conftest import ROOT, SMALL, assert_no_leak, run_script, shm_files, wait_for_updates, wait_gone
 
 
 def read_summary(run_dir):
@@ -152,22 +152,6 @@ def children(pid):
         except FileNotFoundError:
             pass
     return out
-
-
-def gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] == "Z"
-
-
-def wait_gone(pid, seconds):
-    deadline = time.time() + seconds
-    while time.time() < deadline and not gone(pid):
-        time.sleep(0.1)
-    return gone(pid)
 
 
 @pytest.mark.parametrize("script", FAULT_SCRIPTS)
