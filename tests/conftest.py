@@ -64,9 +64,7 @@ def assert_all_gone(pids, before: set[str], seconds: float = 30) -> None:
     import time
 
     deadline = time.time() + seconds
-    while any(not gone(p) for p in pids) and time.time() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if not gone(p)]
+    left = [p for p in pids if not wait_gone(p, deadline - time.time())]
     assert not left, f"processes left: {left}"
     assert_no_leak(before, seconds)
 

@@ -204,4 +204,4 @@ def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
     assert s["rank_param_hashes"][0] == s["rank_param_hashes"][1]
     resumed = re.findall(r"resuming \S+checkpoint_(\d+)\.pt at env step", out)
     assert resumed and int(resumed[0]) >= killed_at, out[-3000:]
-    assert_all_gone([], before)
+    assert_no_leak(before)
