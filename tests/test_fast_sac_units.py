@@ -108,6 +108,16 @@ def test_recipe_defaults_fill_only_unset_fields():
     assert args.env == "Pendulum-v1" and (args.v_min, args.v_max) == fs.VALUE_RANGES["Pendulum"]
 
 
+@pytest.mark.parametrize("env, n_step, target_entropy", [
+    ("Hopper", 3, -0.5), ("Walker2d", 3, -0.5), ("HalfCheetah", 1, -0.5), ("Humanoid", 1, 0.42)])
+def test_family_defaults_fill_n_step_and_target_entropy_unless_given(env, n_step,
+                                                                     target_entropy):
+    args = fs.resolve_args(fs.Args(env=env, device="cpu"))
+    assert (args.n_step, args.target_entropy) == (n_step, target_entropy)
+    args = fs.resolve_args(fs.Args(env=env, device="cpu", n_step=2, target_entropy=0.0))
+    assert (args.n_step, args.target_entropy) == (2, 0.0)
+
+
 def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
     """Reacher is not in VALUE_RANGES: no --v-min/--v-max, and ReturnRange's support spans
     the lowest and highest discounted running return seen (and 0), with headroom."""
