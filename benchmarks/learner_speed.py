@@ -1,8 +1,11 @@
-"""Learner updates/s of fast_sac.py for each fast-path setting, on a fixed random batch.
+"""Learner updates/s of fast_sac.py (or fast_td3.py) for each fast-path setting, on a fixed
+random batch.
 
     python benchmarks/learner_speed.py --device cuda                  # the GPU comparison
     python benchmarks/learner_speed.py --device cpu --batch-sizes 128 256 512 --hidden 256 \
         --modes eager --threads 1 2                                   # CPU shapes and threads
+    python benchmarks/learner_speed.py --device cpu --batch-sizes 256 --hidden 256 \
+        --modes eager compile-amp --threads 1 --script fast_td3       # the CPU recipe in bf16
 
 For every (hidden width, batch size, mode, threads) it times `Learner.train_iteration` on a
 batch already on the device (so it measures the update loop alone: no sampling, no copies),
@@ -10,6 +13,7 @@ after warm-up iterations that also absorb compilation. Modes:
   eager            plain PyTorch (float32)
   amp              bf16 autocast
   compile          torch.compile of the losses (+ bf16 autocast on CUDA)
+  compile-amp      torch.compile of the losses + bf16 autocast, on any device
   cudagraphs       compile in reduce-overhead mode: CUDA graphs (+ bf16 on CUDA; CUDA only)
 Prints a table (median of --repeats timings) and writes JSON, rewritten after every row, so a
 run stopped by a time limit keeps the rows it finished.
@@ -17,11 +21,13 @@ run stopped by a time limit keeps the rows it finished.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,11 +35,12 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import fast_sac  # noqa: E402
 
 
 @dataclass
 class Bench:
+    script: Literal["fast_sac", "fast_td3"] = "fast_sac"
+    """whose Learner is timed"""
     env: str = "Humanoid-v5"
     """env whose observation and action sizes the networks take"""
     device: str = "cuda"
@@ -59,7 +66,7 @@ class Bench:
     out: str = "benchmarks/learner_speed.json"
     """where the JSON goes"""
     recipe: bool = False
-    """time only fast_sac.py's own defaults for --device (its recipe's batch, updates per
+    """time only the script's own defaults for --device (its recipe's batch, updates per
     iteration and widths, its fast-path flags): the isolated rate that a run's in-run
     updates/s is compared with (learner_efficiency)"""
 
@@ -67,9 +74,11 @@ class Bench:
 def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
     cuda = b.device == "cuda"
     flags = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
-             "compile": dict(compile=True, amp=cuda), "cudagraphs": dict(
+             "compile": dict(compile=True, amp=cuda),
+             "compile-amp": dict(compile=True, amp=True), "cudagraphs": dict(
                  compile=True, amp=cuda, cudagraphs=True)}[mode]
-    return time_learner(b, fast_sac.resolve_args(fast_sac.Args(
+    script = importlib.import_module(b.script)
+    return time_learner(b, script.resolve_args(script.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
         actor_hidden=hidden, critic_hidden=b.critic_hidden or hidden,
         buffer_size=max(1_000_000, 2 * batch),
@@ -79,9 +88,10 @@ def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
 def time_learner(b: Bench, args) -> list[float]:
     """Updates/s of `args`'s learner, --repeats timings of --iterations iterations."""
     cuda = b.device == "cuda"
-    obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
+    script = importlib.import_module(b.script)
+    obs_dim, act_dim, low, high = script.env_dims(args.env)
     device = torch.device(b.device)
-    learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, device)
+    learner = script.Learner(args, obs_dim, act_dim, low, high, device)
     batch = args.batch_size
     n = batch * args.updates_per_iter
     g = torch.Generator(device=device).manual_seed(0)
@@ -115,8 +125,9 @@ def main(b: Bench) -> None:
     if b.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --device cpu")
     if b.recipe:
-        args = fast_sac.resolve_args(fast_sac.Args(env=b.env, device=b.device, prefetch=False),
-                                     check_shm=False)
+        script = importlib.import_module(b.script)
+        args = script.resolve_args(script.Args(env=b.env, device=b.device, prefetch=False),
+                                   check_shm=False)
         rates = time_learner(b, args)
         result = {"recipe": {k: getattr(args, k) for k in (
             "batch_size", "updates_per_iter", "actor_hidden", "critic_hidden", "compile", "amp")},
@@ -154,7 +165,7 @@ def main(b: Bench) -> None:
                     speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
                              else "    failed " + row["error"])
                     print(f"threads {row['threads']:2d} | hidden {hidden:4d} | batch "
-                          f"{batch:5d} | {mode:10s} | updates/s {speed}", flush=True)
+                          f"{batch:5d} | {mode:11s} | updates/s {speed}", flush=True)
 
 
 if __name__ == "__main__":
