@@ -5,7 +5,7 @@ random batch.
     python benchmarks/learner_speed.py --device cpu --batch-sizes 128 256 512 --hidden 256 \
         --modes eager --threads 1 2                                   # CPU shapes and threads
     python benchmarks/learner_speed.py --device cpu --batch-sizes 256 --hidden 256 \
-        --modes eager compile-amp --threads 1 --script fast_td3       # the CPU recipe in bf16
+        --modes eager compile-amp --threads 1 --interleave            # the CPU recipe in bf16
 
 For every (hidden width, batch size, mode, threads) it times `Learner.train_iteration` on a
 batch already on the device (so it measures the update loop alone: no sampling, no copies),
@@ -16,7 +16,9 @@ after warm-up iterations that also absorb compilation. Modes:
   compile-amp      torch.compile of the losses + bf16 autocast, on any device
   cudagraphs       compile in reduce-overhead mode: CUDA graphs (+ bf16 on CUDA; CUDA only)
 Prints a table (median of --repeats timings) and writes JSON, rewritten after every row, so a
-run stopped by a time limit keeps the rows it finished.
+run stopped by a time limit keeps the rows it finished. With --interleave the modes of one
+shape are timed in turn, one timing each per repeat, so that a slow spell of a shared
+machine costs them alike (their rows are written once all repeats are done).
 """
 
 from __future__ import annotations
@@ -65,28 +67,32 @@ class Bench:
     """timings per setting; the median is reported"""
     out: str = "benchmarks/learner_speed.json"
     """where the JSON goes"""
+    interleave: bool = False
+    """time the modes of one shape in turn, one timing each per repeat (fair ratios on a
+    shared machine), instead of one mode after another"""
     recipe: bool = False
     """time only the script's own defaults for --device (its recipe's batch, updates per
     iteration and widths, its fast-path flags): the isolated rate that a run's in-run
     updates/s is compared with (learner_efficiency)"""
 
 
-def time_setting(b: Bench, hidden: int, batch: int, mode: str) -> list[float]:
+def prepare_setting(b: Bench, hidden: int, batch: int, mode: str):
     cuda = b.device == "cuda"
     flags = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
              "compile": dict(compile=True, amp=cuda),
              "compile-amp": dict(compile=True, amp=True), "cudagraphs": dict(
                  compile=True, amp=cuda, cudagraphs=True)}[mode]
     script = importlib.import_module(b.script)
-    return time_learner(b, script.resolve_args(script.Args(
+    return prepare_learner(b, script.resolve_args(script.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
         actor_hidden=hidden, critic_hidden=b.critic_hidden or hidden,
         buffer_size=max(1_000_000, 2 * batch),
         prefetch=False, **flags), check_shm=False))  # (no replay buffer is created here)
 
 
-def time_learner(b: Bench, args) -> list[float]:
-    """Updates/s of `args`'s learner, --repeats timings of --iterations iterations."""
+def prepare_learner(b: Bench, args):
+    """`args`'s learner after its warm-up iterations, as a function that times --iterations
+    iterations and returns their updates/s."""
     cuda = b.device == "cuda"
     script = importlib.import_module(b.script)
     obs_dim, act_dim, low, high = script.env_dims(args.env)
@@ -110,15 +116,15 @@ def time_learner(b: Bench, args) -> list[float]:
     for _ in range(b.warmup):
         learner.train_iteration(batch_data)
     sync()
-    rates = []
-    for _ in range(b.repeats):
+
+    def timed() -> float:
         t0 = time.perf_counter()
         for _ in range(b.iterations):
             metrics = learner.train_iteration(batch_data)
         sync()
-        rates.append(b.iterations * args.updates_per_iter / (time.perf_counter() - t0))
-    assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
-    return rates
+        assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+        return b.iterations * args.updates_per_iter / (time.perf_counter() - t0)
+    return timed
 
 
 def main(b: Bench) -> None:
@@ -128,7 +134,8 @@ def main(b: Bench) -> None:
         script = importlib.import_module(b.script)
         args = script.resolve_args(script.Args(env=b.env, device=b.device, prefetch=False),
                                    check_shm=False)
-        rates = time_learner(b, args)
+        timed = prepare_learner(b, args)
+        rates = [timed() for _ in range(b.repeats)]
         result = {"recipe": {k: getattr(args, k) for k in (
             "batch_size", "updates_per_iter", "actor_hidden", "critic_hidden", "compile", "amp")},
             "updates_per_s": float(np.median(rates)), "runs": rates}
@@ -144,28 +151,45 @@ def main(b: Bench) -> None:
             json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
                        "rows": rows}, f, indent=2)
 
+    def report(hidden, batch, mode, runs):
+        row = (dict(updates_per_s=float(np.median(runs)), runs=runs) if isinstance(runs, list)
+               else dict(updates_per_s=None, error=runs))
+        rows.append(dict(threads=torch.get_num_threads(), hidden=hidden,
+                         critic_hidden=b.critic_hidden or hidden, batch=batch,
+                         updates_per_iter=b.updates_per_iter, mode=mode) | row)
+        write()
+        speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
+                 else "    failed " + row["error"])
+        print(f"threads {rows[-1]['threads']:2d} | hidden {hidden:4d} | batch {batch:5d} | "
+              f"{mode:11s} | updates/s {speed}", flush=True)
+
     for threads in b.threads:
         if threads:
             torch.set_num_threads(threads)
         for hidden in b.hidden:
             for batch in b.batch_sizes:
-                for mode in b.modes:
-                    if mode == "cudagraphs" and b.device != "cuda":
-                        continue
+                modes = [m for m in b.modes if m != "cudagraphs" or b.device == "cuda"]
+                timers, rates = {}, {}
+                for mode in modes:
                     try:
-                        rates = time_setting(b, hidden, batch, mode)
-                        row = dict(updates_per_s=float(np.median(rates)), runs=rates)
+                        timed = prepare_setting(b, hidden, batch, mode)
+                        if b.interleave:
+                            timers[mode], rates[mode] = timed, []
+                        else:  # time it now, and let its learner go before the next
+                            rates[mode] = [timed() for _ in range(b.repeats)]
                     except Exception as e:  # report and go on: one failing mode is a result
-                        row = dict(updates_per_s=None, error=f"{type(e).__name__}: {e}"[:300])
-                    rows.append(dict(threads=torch.get_num_threads(), hidden=hidden,
-                                     critic_hidden=b.critic_hidden or hidden, batch=batch,
-                                     updates_per_iter=b.updates_per_iter, mode=mode) | row)
-                    row = rows[-1]
-                    write()
-                    speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
-                             else "    failed " + row["error"])
-                    print(f"threads {row['threads']:2d} | hidden {hidden:4d} | batch "
-                          f"{batch:5d} | {mode:11s} | updates/s {speed}", flush=True)
+                        rates[mode] = f"{type(e).__name__}: {e}"[:300]
+                    if not b.interleave:
+                        report(hidden, batch, mode, rates[mode])
+                for _ in range(b.repeats if b.interleave else 0):
+                    for mode, timed in list(timers.items()):
+                        try:
+                            rates[mode].append(timed())
+                        except Exception as e:
+                            rates[mode] = f"{type(e).__name__}: {e}"[:300]
+                            del timers[mode]
+                for mode in rates if b.interleave else ():
+                    report(hidden, batch, mode, rates[mode])
 
 
 if __name__ == "__main__":
