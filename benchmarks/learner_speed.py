@@ -175,10 +175,11 @@ def main(b: Bench) -> None:
                         timed = prepare_setting(b, hidden, batch, mode)
                         if b.interleave:
                             timers[mode], rates[mode] = timed, []
-                        else:  # time it now, and let its learner go before the next
+                        else:
                             rates[mode] = [timed() for _ in range(b.repeats)]
                     except Exception as e:  # report and go on: one failing mode is a result
                         rates[mode] = f"{type(e).__name__}: {e}"[:300]
+                    timed = None  # (without --interleave its learner goes before the next)
                     if not b.interleave:
                         report(hidden, batch, mode, rates[mode])
                 for _ in range(b.repeats if b.interleave else 0):
