@@ -169,28 +169,25 @@ def main(b: Bench) -> None:
         for hidden in b.hidden:
             for batch in b.batch_sizes:
                 modes = [m for m in b.modes if m != "cudagraphs" or b.device == "cuda"]
-                timers, rates = {}, {}
-                for mode in modes:
-                    try:
-                        timed = prepare_setting(b, hidden, batch, mode)
-                        if b.interleave:
-                            timers[mode], rates[mode] = timed, []
-                        else:
-                            rates[mode] = [timed() for _ in range(b.repeats)]
-                    except Exception as e:  # report and go on: one failing mode is a result
-                        rates[mode] = f"{type(e).__name__}: {e}"[:300]
-                    timed = None  # (without --interleave its learner goes before the next)
-                    if not b.interleave:
-                        report(hidden, batch, mode, rates[mode])
-                for _ in range(b.repeats if b.interleave else 0):
-                    for mode, timed in list(timers.items()):
+                # one group of all modes with --interleave, else a group per mode (so that a
+                # mode's learner is gone before the next one's is built)
+                for group in [modes] if b.interleave else [[m] for m in modes]:
+                    timers, rates = {}, {}
+                    for mode in group:
                         try:
-                            rates[mode].append(timed())
-                        except Exception as e:
+                            timers[mode], rates[mode] = prepare_setting(b, hidden, batch,
+                                                                        mode), []
+                        except Exception as e:  # report and go on: a failing mode is a result
                             rates[mode] = f"{type(e).__name__}: {e}"[:300]
-                            del timers[mode]
-                for mode in rates if b.interleave else ():
-                    report(hidden, batch, mode, rates[mode])
+                    for _ in range(b.repeats):
+                        for mode in list(timers):
+                            try:
+                                rates[mode].append(timers[mode]())
+                            except Exception as e:
+                                rates[mode] = f"{type(e).__name__}: {e}"[:300]
+                                del timers[mode]
+                    for mode in group:
+                        report(hidden, batch, mode, rates[mode])
 
 
 if __name__ == "__main__":
