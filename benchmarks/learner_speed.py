@@ -175,8 +175,8 @@ def main(b: Bench) -> None:
                     timers, rates = {}, {}
                     for mode in group:
                         try:
-                            timers[mode], rates[mode] = prepare_setting(b, hidden, batch,
-                                                                        mode), []
+                            timers[mode] = prepare_setting(b, hidden, batch, mode)
+                            rates[mode] = []
                         except Exception as e:  # report and go on: a failing mode is a result
                             rates[mode] = f"{type(e).__name__}: {e}"[:300]
                     for _ in range(b.repeats):
