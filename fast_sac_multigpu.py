@@ -10,14 +10,15 @@ samples its own mini-batches, gradients are averaged with one all-reduce per opt
 and so parameters stay identical on all ranks. Global rank 0 logs, evaluates and saves.
 `diff fast_sac.py fast_sac_multigpu.py` shows what distribution changes.
 
-Read top to bottom: Args -> recipe and checks -> env -> networks -> how a collector acts
--> Learner (losses, update rule) -> the training loop -> checkpoints -> main. To try an
-idea, copy this file and edit the first part; the plumbing below "the training loop" rarely
-needs a change. common/ moves the bytes between processes; DESIGN.md explains how.
+Read top to bottom: Args -> recipe -> env -> networks -> how a collector acts -> Learner
+(losses, update rule) -> the training loop -> checkpoints -> main. To try an idea, copy this
+file and edit the first part; the plumbing below "The training loop" rarely needs a change.
+common/ moves the bytes between processes; DESIGN.md explains how.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -28,8 +29,6 @@ import json
 import math
 import os
 import re
-import shutil
-import signal
 import sys
 import time
 import traceback
@@ -43,30 +42,37 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import checkpoints
 from common import dist as D
-from common.collectors import CollectorError, Collectors, async_window_chunks
+from common.collectors import (
+    ArgsError,
+    CollectorError,
+    Collectors,
+    Interrupted,
+    StopRequest,
+    check_sizes,
+    default_learner_threads,
+    default_num_collectors,
+)
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
-from common.replay import Mirror, ReplayBuffer, Sampler, batch_nbytes, batch_shapes
-from common.shm import check_shm_space
+from common.replay import Mirror, Sampler, batch_shapes
 from common.trace import NO_TIMELINE, Trace
 
 SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies need no edit
 
 
 # =======================================================================================
-# Arguments: the algorithm's first, then sizes, then how the run is kept
+# Arguments: the algorithm's first, then how the run is kept
 
 
 @dataclass
 class Args:
     env: str = "Humanoid"
-    """gymnasium id; a short name such as Humanoid resolves to the newest version (Humanoid-v5)"""
+    """gymnasium id; a short name (Humanoid) means its newest version (Humanoid-v5)"""
     seed: int = 1
     """seed of networks, sampling, exploration and environments"""
     total_timesteps: int = 1_000_000
     """environment steps to collect, summed over all envs of all nodes"""
-
-    # algorithm
     policy_frequency: int = 2
     """critic updates per actor (and temperature) update"""
     gamma: float = 0.99
@@ -74,8 +80,7 @@ class Args:
     tau: float = 0.01
     """soft target update rate: target <- target + tau * (online - target)"""
     n_step: int | None = None
-    """n-step returns; sums stop at episode ends. None: per env family, 3 on Hopper and
-    Walker2d, 1 elsewhere (N_STEP; README: Recipe choices)"""
+    """n-step returns, stopped at episode ends (None: N_STEP, per env family)"""
     actor_lr: float = 3e-4
     """actor learning rate (AdamW)"""
     critic_lr: float = 3e-4
@@ -87,120 +92,98 @@ class Args:
     alpha_init: float = 0.1
     """initial entropy temperature"""
     target_entropy: float | None = None
-    """entropy the temperature steers the policy towards, in nats per action dimension with
-    the actions measured in the [-1, 1] box, so that it means the same on every action
-    range (a uniform policy has 0.69); None: per env family, -0.5 but 0.42 on the
-    Humanoids (TARGET_ENTROPY; README: Entropy target)"""
+    """entropy target, nats per action dimension in the [-1, 1] box (None: TARGET_ENTROPY)"""
     log_std_min: float = -5.0
     """lower bound of the actor's log standard deviation"""
     log_std_max: float = 1.0
     """upper bound of the actor's log standard deviation"""
     use_cdq: bool = True
-    """clipped double Q: the target and the actor's objective use the critic with the lower
-    value; off: the average of both critics (distributions for the target)"""
+    """clipped double Q: target and actor use the lower critic; off: the mean of both"""
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
     v_min: float | None = None
-    """lowest value of the critics' support (default: per env family, see VALUE_RANGES; an
-    env the table lacks: it follows the returns seen, see ReturnRange)"""
+    """lowest value of the critics' support (None: VALUE_RANGES, else see ReturnRange)"""
     v_max: float | None = None
-    """highest value of the critics' support (default: like --v-min)"""
+    """highest value of the critics' support (None: like --v-min)"""
 
-    # sizes; None means the recipe default for the learner's device (see README)
+    # sizes; None: the recipe for the learner's device (CPU_RECIPE, GPU_RECIPE)
     num_envs: int | None = None
-    """parallel environments, all collectors together (default 8 on CPU, 32 on GPU)"""
-    num_collectors: int | None = None
-    """collector subprocesses, each stepping its own slice of the envs (default: see
-    default_num_collectors; 1 on a CPU machine of up to 4 cores)"""
+    """parallel environments, all collectors together"""
     buffer_size: int | None = None
-    """replay capacity in transitions, all envs together (default 1M)"""
+    """replay capacity in transitions, all envs together"""
     batch_size: int | None = None
-    """transitions per gradient update on each rank: N ranks train on N times this many per
-    update (default 256 on CPU, 4096 on GPU)"""
+    """transitions per gradient update and rank (N ranks: N times as many per update)"""
     learning_starts: int | None = None
-    """environment steps of uniform random actions before the first update, all nodes
-    together (default 5000)"""
+    """environment steps (all nodes together) of random actions before the first update"""
     steps_per_iter: int | None = None
-    """environment steps per env between learner iterations (default 8)"""
+    """environment steps per env between learner iterations"""
     updates_per_iter: int | None = None
-    """gradient updates per learner iteration (default 8 on CPU, 32 on GPU)"""
+    """gradient updates per learner iteration"""
     actor_hidden: int | None = None
-    """width of the actor's first layer; later layers halve it (default 256 CPU, 512 GPU)"""
+    """width of the actor's first layer; later layers halve it"""
     critic_hidden: int | None = None
-    """width of the critics' first layer; later layers halve it (default 256 CPU, 1024 GPU)"""
+    """width of the critics' first layer; later layers halve it"""
 
-    # run
+    # how the run is kept
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """where the learner runs; auto picks cuda when available. Collectors are always CPU"""
+    """where the learner runs (auto: cuda when available); collectors always use the CPU"""
     sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
-    """lockstep: collect and learn in turn; pipelined: collect chunk i+1 while learning on
-    chunk i (weights one chunk stale, deterministic); async: both free-running"""
+    """lockstep: collect, then learn; pipelined: collect chunk i+1 while learning on chunk i"""
+    num_collectors: int | None = None
+    """collector processes, each stepping a slice of the envs (None: by the machine's cores)"""
     run_dir: str | None = None
-    """output folder (default runs/{env}__{script}__{seed}__{timestamp})"""
+    """output folder (None: runs/{env}__{script}__{seed}__{timestamp})"""
     save_interval: int = 0
     """env steps between checkpoints; 0 saves only model_final.pt"""
+    keep_checkpoints: int = 2
+    """checkpoint_*.pt files kept (with their replay files); model_final.pt always stays"""
+    save_replay: bool = False
+    """store the replay buffer with each checkpoint, so that a resumed run continues exactly"""
+    resume: str | None = None
+    """run dir or checkpoint to continue (flags given now override its arguments); auto:
+    --run-dir's newest complete checkpoint if it has one, else a fresh start"""
+    restart_collector: bool = False
+    """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_interval: int = 50_000
     """env steps between deterministic evaluations; 0 evaluates only at the end"""
     eval_episodes: int = 5
     """episodes per evaluation"""
-    log_interval: float = 10.0
-    """seconds between console progress lines"""
-    trace: bool = False
-    """write a timeline of the learner and every collector to {run_dir}/trace.json (Chrome
-    trace event format: open it in ui.perfetto.dev, or summarize it with
-    benchmarks/trace_report.py), at each checkpoint and at the end"""
-    trace_events: int = 40_000
-    """--trace: records kept per process (about 5 MB of JSON each): the first half of them and
-    the newest half"""
-    profile_iters: str | None = None
-    """A:B: run torch.profiler over the learner's training iterations A to B-1 (counted from
-    the first one that updates) and write its trace to {run_dir}/profile.json"""
-    resume: str | None = None
-    """continue a run: its run dir (newest complete checkpoint) or a checkpoint file; auto:
-    --run-dir's newest complete checkpoint if it has one, else a fresh start (safe to re-run
-    after any failure). The saved arguments are used, except flags given now"""
-    keep_checkpoints: int = 2
-    """checkpoint_*.pt files kept (with their replay files); older ones are removed once a
-    newer one is complete. model_final.pt is always kept"""
-    save_replay: bool = False
-    """store the replay buffer with each checkpoint, so that a resumed run continues exactly
-    (in lockstep and pipelined modes: the same final parameters as an uninterrupted run)"""
-    restart_collector: bool = False
-    """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_only: bool = False
     """only evaluate --checkpoint for --eval-episodes episodes, print mean and std"""
     checkpoint: str | None = None
     """checkpoint file or run dir for --eval-only"""
     capture_video: bool = False
-    """record one deterministic episode at each evaluation to {run_dir}/videos (needs
-    imageio and offscreen rendering: MUJOCO_GL=egl, the default here, or osmesa)"""
+    """record an episode at each evaluation to {run_dir}/videos (MUJOCO_GL=egl or osmesa)"""
+    log_interval: float = 10.0
+    """seconds between progress lines (off a terminal; on one, a progress bar)"""
     quiet: bool = False
-    """no progress bar or progress lines (evaluations and errors are still printed)"""
+    """no progress bar or lines (evaluations and errors are still printed)"""
     track: bool = False
     """log to Weights & Biases (needs wandb)"""
     wandb_project: str = "fast-rl"
     """wandb project name"""
-    # GPU fast path; None means on with a CUDA learner and off on CPU (see README)
+    trace: bool = False
+    """write a timeline of the learner and every collector to {run_dir}/trace.json"""
+    trace_events: int = 40_000
+    """--trace: records kept per process, the first half and the newest half"""
+
+    # speed; None: on with a CUDA learner, off on a CPU (docs/performance.md)
     compile: bool | None = None
-    """torch.compile the loss computations of the update steps (None: on with CUDA)"""
+    """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
-    """with --compile on CUDA: capture the compiled losses in CUDA graphs (reduce-overhead)"""
+    """with --compile on CUDA: capture the compiled losses in CUDA graphs"""
     amp: bool | None = None
-    """bf16 autocast in the update steps (None: on with CUDA)"""
+    """bf16 autocast in the update steps"""
     prefetch: bool | None = None
-    """gather the next iteration's batch (into pinned memory on CUDA) while this one
-    trains; copies to the GPU do not block (None: on with CUDA)"""
+    """gather the next iteration's batch while this one trains"""
     replay_mirror: bool | None = None
-    """keep a copy of the replay buffer in the learner's device memory and sample there: per
-    iteration only the new rows and the sampled indices cross from the host (None: on with
-    CUDA; on CPU it only doubles the buffer's memory)"""
+    """keep a copy of the replay buffer in the learner's device memory and sample there"""
     learner_threads: int | None = None
-    """torch threads of the learner on CPU (default: see default_learner_threads)"""
+    """torch threads of the learner on a CPU (None: the cores the collectors leave free)"""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto is nccl with CUDA, gloo otherwise"""
     dist_timeout: float = 1800.0
-    """seconds a collective may wait for the other ranks before failing (they wait while
-    each rank compiles and while rank 0 evaluates or writes a replay file of gigabytes)"""
+    """seconds a collective waits for the other ranks (they wait while rank 0 evaluates)"""
 
 
 # Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
@@ -216,12 +199,12 @@ VALUE_RANGES = {
 }
 
 # --target-entropy's default per env family, in nats per action dimension with the actions
-# in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (README: Entropy target):
-# the Humanoids learn sooner with a wide policy, the others with a narrower one.
+# in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (docs/recipe.md): the
+# Humanoids learn sooner with a wide policy, the others with a narrower one.
 TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
 
-# --n-step's default per env family. Measured (README: Recipe choices): 1 learns sooner on
+# --n-step's default per env family. Measured (docs/recipe.md): 1 learns sooner on
 # HalfCheetah and Humanoid, 3 on Hopper and Walker2d.
 N_STEP = {"Hopper": 3, "Walker2d": 3}
 DEFAULT_N_STEP = 1
@@ -233,177 +216,13 @@ GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_
 
 
 # =======================================================================================
-# Recipe defaults and argument checks (all before any process starts)
-
-
-class ArgsError(ValueError):
-    """Bad command-line input, reported before any process starts."""
-
-
-def check_mirror_fits(args: Args, obs_dim: int, act_dim: int) -> None:
-    """--replay-mirror on CUDA: the mirror and two samples must fit in this process's GPU
-    (torchrun's local rank), next to what the networks need."""
-    mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
-    sample = batch_nbytes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
-    free = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
-    if mirror + 2 * sample > free:
-        raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "
-                        f"{2 * sample / 2**30:.1f} GiB for samples, but {free / 2**30:.1f} GiB "
-                        "are free; lower --buffer-size, or pass --replay-mirror False to "
-                        "sample on the host")
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def default_num_collectors(device: str, num_envs: int) -> int:
-    """Per node: every GPU learner rank needs about one core to feed its GPU, so the others
-    step envs (one collector per 4 envs at most: fewer envs per process batch the actor's
-    inference poorly). A CPU learner is the bottleneck of the CPU recipe, so the ranks keep
-    3/4 of the cores, and on up to 4 cores one collector shares them with them."""
-    cores = available_cores()
-    if device == "cuda":
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return max(1, min(cores - 1 - ranks, num_envs // 4))
-    return max(1, min(cores // 4, num_envs // 4)) if cores > 4 else 1
-
-
-def default_learner_threads(num_collectors: int) -> int:
-    """The cores the collectors leave free (each collector runs one thread), so that nobody
-    shares a core. Measured on 2 cores (README): a second learner thread that shares the
-    collector's core gains no updates/s inside a run and slows the collector by about 13%."""
-    return max(1, available_cores() - num_collectors)
-
-
-def resolve_env_id(name: str) -> str:
-    """A registered id as given, or the newest version of a short name (Humanoid -> -v5)."""
-    if name in gym.registry:
-        return name
-    versions = [(int(m.group(1)), k) for k in gym.registry
-                if (m := re.fullmatch(re.escape(name) + r"-v(\d+)", k))]
-    if versions:
-        return max(versions)[1]
-    close = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    raise ArgsError(f"unknown environment '{name}'.{hint}")
-
-
-def resolve_args(args: Args, check_shm: bool = True) -> Args:
-    """Validate `args`, resolve the env id and fill recipe defaults; raise ArgsError.
-    (`check_shm=False`: for callers that never create the replay buffer.)"""
-    env_id = resolve_env_id(args.env)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ArgsError("--device cuda was asked for but torch sees no CUDA device; "
-                        "use --device cpu (or auto)")
-    device = "cuda" if args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    recipe = GPU_RECIPE if device == "cuda" else CPU_RECIPE
-    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
-    family = env_id.split("-v")[0]
-    if (args.v_min is None) != (args.v_max is None) and family not in VALUE_RANGES:
-        raise ArgsError(f"{env_id} has no value range in VALUE_RANGES: give both --v-min and "
-                        "--v-max, or neither (the critics' support then follows the returns "
-                        "seen)")
-    v_min, v_max = VALUE_RANGES.get(family, (None, None))  # (None: see ReturnRange)
-    args = dataclasses.replace(args, env=env_id, device=device, **filled,
-                               v_min=v_min if args.v_min is None else args.v_min,
-                               v_max=v_max if args.v_max is None else args.v_max)
-    if args.target_entropy is None:
-        args.target_entropy = TARGET_ENTROPY.get(family, DEFAULT_TARGET_ENTROPY)
-    if args.n_step is None:
-        args.n_step = N_STEP.get(family, DEFAULT_N_STEP)
-
-    for field in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "steps_per_iter",
-                  "updates_per_iter", "actor_hidden", "critic_hidden", "policy_frequency",
-                  "n_step", "num_atoms", "eval_episodes", "keep_checkpoints"):
-        if getattr(args, field) <= 0:
-            raise ArgsError(f"--{field.replace('_', '-')} must be positive, "
-                            f"got {getattr(args, field)}")
-    for field in ("learning_starts", "save_interval", "eval_interval"):
-        if getattr(args, field) < 0:
-            raise ArgsError(f"--{field.replace('_', '-')} must be >= 0")
-    for flag in ("compile", "amp", "prefetch", "replay_mirror"):
-        if getattr(args, flag) is None:
-            setattr(args, flag, device == "cuda")
-    if args.cudagraphs and not (device == "cuda" and args.compile):
-        raise ArgsError("--cudagraphs needs a CUDA learner and --compile")
-    if args.num_collectors is None:
-        args.num_collectors = default_num_collectors(device, args.num_envs)
-    if not 1 <= args.num_collectors <= args.num_envs:
-        raise ArgsError(f"--num-collectors must lie in [1, --num-envs ({args.num_envs})], got "
-                        f"{args.num_collectors}: each collector steps at least one env")
-    if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
-        raise ArgsError("--gamma and --tau must lie in (0, 1]")
-    if args.v_min is not None and args.v_min >= args.v_max:
-        raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
-    if args.learning_starts >= args.total_timesteps:
-        raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
-                        f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
-    for flag, package in (("track", "wandb"), ("capture_video", "imageio")):
-        if getattr(args, flag) and importlib.util.find_spec(package) is None:
-            raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
-                            f"pip install {package}")
-    if args.profile_iters is not None:
-        profile_range(args.profile_iters)
-    if args.trace_events < 2:
-        raise ArgsError(f"--trace-events must be at least 2, got {args.trace_events}")
-    capacity = args.buffer_size // args.num_envs
-    chunk = args.steps_per_iter * async_window_chunks(args)
-    usable = (capacity - chunk - args.n_step + 1) * args.num_envs
-    if capacity < 2 * chunk + args.n_step:
-        raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
-                        f"few for --steps-per-iter {args.steps_per_iter}; raise --buffer-size")
-    if args.batch_size > usable:
-        raise ArgsError(f"--batch-size {args.batch_size} is larger than the {usable} transitions "
-                        f"the buffer can offer for sampling; raise --buffer-size (now "
-                        f"{args.buffer_size}) or lower --batch-size")
-    env = gym.make(env_id)
-    space, obs_space = env.action_space, env.observation_space
-    env.close()
-    if not isinstance(space, gym.spaces.Box):
-        raise ArgsError(f"{env_id} has a {type(space).__name__} action space; {SCRIPT} needs "
-                        "continuous (Box) actions")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        raise ArgsError(f"{env_id} must have a flat Box observation space, got {obs_space}")
-    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-        raise ArgsError(f"{env_id} has unbounded actions; {SCRIPT} squashes into finite bounds")
-    nbytes = ReplayBuffer.nbytes(args.num_envs, capacity, obs_space.shape[0], space.shape[0])
-    try:  # a default Docker container has only 64 MiB of /dev/shm
-        if check_shm:
-            check_shm_space(nbytes, "The replay buffer")
-        if check_shm and args.replay_mirror and device == "cuda":
-            check_mirror_fits(args, obs_space.shape[0], space.shape[0])
-    except MemoryError as e:
-        raise ArgsError(str(e)) from None
-    if args.save_replay:  # the kept files and the one being written; without
-        # --save-interval, the one that a signal's checkpoint writes
-        files = args.keep_checkpoints + 1 if args.save_interval else 1
-        where = Path(args.run_dir or "runs").absolute()
-        while not where.exists():
-            where = where.parent
-        need, free = files * nbytes, shutil.disk_usage(where).free
-        why = (f"--keep-checkpoints {args.keep_checkpoints} and the one being written"
-               if args.save_interval else "the one a signal's checkpoint writes")
-        if need > free:
-            raise ArgsError(f"--save-replay needs {need / 2**30:.1f} GiB of disk for {files} "
-                            f"replay file(s) of {nbytes / 2**30:.2f} GiB ({why}) but {where} "
-                            f"has {free / 2**30:.1f} GiB free; lower --buffer-size or "
-                            "--keep-checkpoints, or free disk space")
-    return args
-
-
-# =======================================================================================
 # Environments
 
 
 def make_env(env_id: str, num_envs: int, seed: int = 0):
-    """The collectors' vector env: finished envs reset within the same step.
-
-    SAME_STEP autoreset returns the reset observation at once and puts the true last
-    observation in info["final_obs"], so every step is a storable transition. (The
-    collectors seed env i with seed + i at the first reset.)
-    """
+    """The collectors' vector env. SAME_STEP autoreset returns the reset observation at once
+    and puts the true last one in info["final_obs"], so every step is a storable transition
+    (the collectors seed env i with seed + i at the first reset)."""
     return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
                         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
 
@@ -562,11 +381,9 @@ class Critics(nn.Module):
 
 
 def project(probs, rewards, discounts, support) -> torch.Tensor:
-    """C51 projection of the distribution r + discount * Z onto the fixed `support`.
-
-    probs [B, N] on support [N]; rewards, discounts [B]. Mass that lands between two atoms
-    is split between them in proportion to the distance.
-    """
+    """C51 projection of the distribution r + discount * Z (probs [B, N] on support [N];
+    rewards, discounts [B]) onto `support`: mass that lands between two atoms is split
+    between them in proportion to the distance."""
     n = support.shape[0]
     v_min, v_max = support[0], support[-1]
     delta = (v_max - v_min) / (n - 1)
@@ -588,13 +405,12 @@ def initial_support(args: Args) -> tuple[float, float]:
 
 
 class ReturnRange:
-    """The critics' support on an env that VALUE_RANGES lacks (and without --v-min/--v-max):
-    it follows the returns seen. Each env keeps the discounted sum of its episode's rewards
-    so far, G <- reward + gamma * G, which spans the range the values span (a constant
-    reward r brings both to r / (1 - gamma)). The support covers the lowest and highest G
-    seen, and 0, widened by a quarter of that width below and by half of it above, as an
-    improving policy's values lie above the returns collected so far. It is set before the
-    first update, from the random actions' rewards, and widens as new rows arrive."""
+    """The critics' support on an env that VALUE_RANGES lacks (without --v-min/--v-max): it
+    follows G <- reward + gamma * G, each env's discounted sum of its episode's rewards so
+    far, which spans what the values span. The support covers the lowest and highest G seen
+    and 0, widened by a quarter of that width below and by half above (an improving policy's
+    values lie above the returns collected so far); set before the first update, it widens
+    as new rows arrive."""
 
     def __init__(self, num_envs: int, gamma: float):
         self.gamma, self.g, self.lo, self.hi = gamma, np.zeros(num_envs), 0.0, 0.0
@@ -631,10 +447,8 @@ class ReturnRange:
 
 
 def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """Per sample, the distribution of the critic whose expected value is lowest.
-
-    probs [K, B, N] -> [B, N]: clipped double Q for distributional critics.
-    """
+    """Clipped double Q for distributional critics: per sample, the distribution of the
+    critic whose expected value is lowest (probs [K, B, N] -> [B, N])."""
     lower = (probs * support).sum(-1).argmin(0)
     return probs[lower, torch.arange(probs.shape[1], device=probs.device)]
 
@@ -694,22 +508,18 @@ class Learner:
         self.log_scale = float(np.log((np.asarray(high) - np.asarray(low)) / 2).sum())
         self.target_entropy = act_dim * args.target_entropy + self.log_scale
         self.act_dim = act_dim
-        betas = (0.9, 0.95)
         # one fused kernel per optimizer step: one launch on CUDA, and on CPU a third of the
         # time of the multi-tensor (foreach) step (about 140 against 440 us for the critics)
-        fused = dict(fused=True)
+        adam = dict(betas=(0.9, 0.95), fused=True)
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=args.actor_lr,
-                                           betas=betas, weight_decay=args.weight_decay,
-                                           **fused)
+                                           weight_decay=args.weight_decay, **adam)
         self.critic_opt = torch.optim.AdamW(self.critics.parameters(), lr=args.critic_lr,
-                                            betas=betas, weight_decay=args.weight_decay,
-                                            **fused)
-        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=args.alpha_lr, betas=betas,
-                                          **fused)
+                                            weight_decay=args.weight_decay, **adam)
+        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=args.alpha_lr, **adam)
         self.online_params = list(self.critics.parameters())
         self.target_params = list(self.critics_target.parameters())
         self.num_updates = 0
-        self.timeline, self.grad_norms = NO_TIMELINE, {}  # (Training sets the timeline)
+        self.timeline, self.grad_norms = NO_TIMELINE, {}  # (train sets the timeline)
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
         if args.compile:
             # (static shapes: every mini-batch has the same size)
@@ -786,11 +596,8 @@ class Learner:
         return {k: v.clone() for k, v in metrics.items()}  # (see update_critic)
 
     def train_iteration(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`updates_per_iter` updates on consecutive mini-batches of one large sample.
-
-        Stays on the device: losses are returned as tensors and read by the caller only
-        when it logs.
-        """
+        """`updates_per_iter` updates on consecutive mini-batches of one large sample. The
+        losses stay on the device, as tensors the caller reads only when it logs."""
         args = self.args
         norm, mark = self.actor.normalizer, self.timeline.now()
         obs, next_obs = norm(batch["obs"]), norm(batch["next_obs"])
@@ -836,42 +643,14 @@ class Learner:
             "log_alpha": self.log_alpha.detach().cpu(), "num_updates": self.num_updates}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in self.SAVED:
-            saved, mine = state[k], getattr(self, k).state_dict()
-            if "param_groups" in saved:  # an optimizer: its moments, but this run's
-                # settings (learning rate, weight decay and betas, from the saved arguments
-                # or the flags given on resume) and this machine's kernel choice
-                groups = [g | {f: v for f, v in m.items() if f != "params"}
-                          for g, m in zip(saved["param_groups"], mine["param_groups"])]
-                saved = saved | {"param_groups": groups}
-            getattr(self, k).load_state_dict(saved)
+        for k in self.SAVED:  # (an optimizer keeps this run's settings, see load_optimizer)
+            if k.endswith("_opt"):
+                checkpoints.load_optimizer(getattr(self, k), state[k])
+            else:
+                getattr(self, k).load_state_dict(state[k])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
         self.num_updates = state["num_updates"]
-
-
-def warm_up(learner, obs_dim: int, act_dim: int) -> None:
-    """--compile: compile both update steps now by running them once on made-up data, so
-    that a compile error stops the run in its first seconds, before any process starts.
-    The networks, optimizers, counters and random state are put back afterwards."""
-    saved = copy.deepcopy(learner.state_dict())
-    cuda = learner.device.type == "cuda"
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
-    rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
-    batch = {k: torch.zeros(shape, device=learner.device)
-             for k, shape in batch_shapes(rows, obs_dim, act_dim).items()}
-    try:
-        learner.train_iteration(batch)
-        if cuda:
-            torch.cuda.synchronize(learner.device)
-    except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
-                        f"{first_line}); run with --compile False") from e
-    learner.load_state_dict(saved)
-    torch.set_rng_state(rng[0])
-    if cuda:
-        torch.cuda.set_rng_state_all(rng[1])
 
 
 # =======================================================================================
@@ -879,491 +658,371 @@ def warm_up(learner, obs_dim: int, act_dim: int) -> None:
 
 
 def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
-    """Run this rank's part of one training job; returns the process exit code.
+    """Run this rank's part of one training job (continuing `resume`, a loaded checkpoint);
+    returns the exit code.
 
-    Each iteration: wait until the chunk the schedule names is collected, fold its
-    observations into the normalizer, train on a sample, publish the actor's weights, log,
-    and evaluate or save when due. See DESIGN.md for the schedule.
+    Each iteration, in this order: wait until the chunk the schedule names is collected,
+    fold its observations into the normalizer, sample and update, publish the actor's
+    weights, log, evaluate and save when due. DESIGN.md explains the schedule.
     """
     stop = StopRequest()
     try:
-        run = Training(args, info)
+        run = Run(args, info)
     except ArgsError as e:  # (--compile: its warm-up failed)
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
-    status, exit_code = "failed", 1
+    learner, loop, tally, timeline = run.learner, run.loop, run.tally, run.learner.timeline
+    status, exit_code, message = "failed", 1, None
     agreed = {}
 
     def agree(chunks: int) -> int:  # async: progress and the stop flag in one all-reduce
-        chunks, agreed["running"] = run.wait_ranks(D.allreduce_min,
-                                                   [chunks, int(stop.signum is None)], info)
+        chunks, agreed["running"] = wait_ranks(run, D.allreduce_min,
+                                               [chunks, int(stop.signum is None)], info)
         return chunks
 
     try:
-        run.start(resume)
-        done = False
-        while not done:
-            with run.timeline.span("learner/wait_for_data"):
-                chunks, window = run.collectors.wait_for_chunk(run.loop["iteration"],
-                                                               run.written, agree)
-            done = run.advance(chunks)
+        collectors = start_collectors(run, resume)
+        written, S, prefetched = loop["normalized_upto"], args.steps_per_iter, None
+        while True:
+            # wait for the rows this iteration trains on
+            with timeline.span("learner/wait_for_data"):
+                chunks, window = collectors.wait_for_chunk(loop["iteration"], written, agree)
+            if (lag := collectors.policy_lag(chunks - 1, loop["version"])) is not None:
+                tally["lag"] += lag
+                tally["lag_iterations"] += 1
+            written = chunks * S
+            loop["global_step"] = written * args.num_envs * info.num_nodes
+            done = chunks >= collectors.num_chunks
             # a signal reached a rank: all ranks stop at this iteration
             signalled = (agreed.pop("running") == 0 if "running" in agreed
-                         else run.wait_ranks(D.any_rank, stop.signum is not None, info))
+                         else wait_ranks(run, D.any_rank, stop.signum is not None, info))
             stopping = signalled and not done
-            save_now = run.plan_checkpoint(chunks, done, stopping)
-            run.learn(chunks, window, done)
-            run.publish_weights()
-            run.log(done)
-            if run.loop["global_step"] >= run.next_eval and not (done or stopping):
-                run.evaluate()
+            # a checkpoint holds the collectors' state at the start of the first chunk that
+            # uses this iteration's weights: asked for before they are published (one node
+            # only: each node's collector state stays on its node)
+            snapshot = collectors.snapshot_chunk(chunks) if info.num_nodes == 1 else None
+            save_now = (loop["global_step"] >= run.next_save or stopping) and not done
+            if save_now and snapshot is not None and collectors.owner:
+                collectors.ask_snapshot(snapshot)
+
+            # normalize, sample, update
+            t0 = time.perf_counter()
+            if written > loop["normalized_upto"]:
+                fold_in_new_rows(run, written)
+            if (written - loop["floor"]) * args.num_envs * info.num_nodes >= args.learning_starts:
+                mark = timeline.now()
+                batch = prefetched or run.sample(written, window, loop["floor"])
+                run.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
+                mark = timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
+                run.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
+                mark, prefetched = timeline.now(), None
+                # (async: what every node completed, agreed on the CPU over gloo: no rank
+                # waits here for its GPU to finish the training just queued)
+                if args.prefetch and not done and (nxt := collectors.next_chunk(
+                        chunks, window, lambda n: D.allreduce_min(n, info))):
+                    prefetched = run.sample(nxt[0] * S, nxt[1], loop["floor"])
+                    mark = timeline.phase("learner/prefetch", mark)
+                check_finite(run.metrics, loop["global_step"], learner.num_updates,
+                             lambda bad: D.any_rank(bad, info))
+                timeline.phase("learner/check_finite", mark)  # (on a GPU: waits for it)
+                tally["first_update"] = tally["first_update"] or t0
+                tally["last_update"] = time.perf_counter()
+            tally["learn_s"] += time.perf_counter() - t0
+
+            # publish the actor's weights
+            t0, mark = time.perf_counter(), timeline.now()
+            loop["version"] += 1
+            if collectors.owner:
+                collectors.ws.publish(learner.actor, loop["version"])
+            loop["iteration"] += 1
+            tally["sync_s"] += time.perf_counter() - t0
+            timeline.phase("learner/weight_sync_write", mark)
+            timeline.counter("weights_version", loop["version"])
+
+            # log, evaluate, save
+            log_iteration(run, done)
+            if loop["global_step"] >= run.next_eval and not (done or stopping):
+                evaluate_policy(run)
             if save_now:
-                name = run.save_with_snapshot()
+                name = save_checkpoint(run, snapshot)
             if stopping:
                 raise Interrupted(f"{name} written {time.perf_counter() - stop.t:.1f} s after "
                                   f"signal {stop.signum}")
-        run.finish()
-        status, exit_code = "completed", 0
-    except Interrupted as e:
+            if done:
+                break
+        collectors.check()
+        run.progress.bar.close()
+        run.hashes = D.gather_strings(D.param_hash([learner.actor, learner.critics]), info)
+        evaluate_policy(run, final=True)
+        save_checkpoint(run, None, "model_final.pt")
+        status, exit_code, message = "completed", 0, None
+    except (Interrupted, KeyboardInterrupt) as e:  # (KeyboardInterrupt: a second signal)
         status, exit_code = "interrupted", 130
-        run.progress.close()
-        print(f"rank {info.rank} interrupted: {e}; stopping", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:  # a second signal: stop now, the newest checkpoint stays
-        status, exit_code = "interrupted", 130
-        run.progress.close()
-        print(f"rank {info.rank} interrupted again: stopping without a checkpoint",
-              file=sys.stderr, flush=True)
-    except Diverged as e:
-        status = "diverged"
-        run.progress.close()
-        print(f"rank {info.rank} error: {e}", file=sys.stderr, flush=True)
-    except CollectorError as e:
-        run.progress.close()
-        print(f"rank {info.rank} error: {e}", file=sys.stderr, flush=True)
+        message = (f"rank {info.rank} interrupted: {e}; stopping" if isinstance(e, Interrupted)
+                   else f"rank {info.rank} interrupted again: stopping without a checkpoint")
+    except (CollectorError, Diverged) as e:
+        status = "diverged" if isinstance(e, Diverged) else "failed"
+        message = f"rank {info.rank} error: {e}"
     except Exception:  # a failed collective (a peer died) or a bug: the whole traceback
-        run.progress.close()
-        print(f"rank {info.rank} error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        message = f"rank {info.rank} error:\n{traceback.format_exc()}"
     finally:
-        run.close()
-    run.write_summary(status)
+        finish_run(run, status, message)
     return exit_code
 
 
-class Training:
-    """One run's parts (buffers, collectors, learner, outputs) and counters; `train` calls
-    these methods in the order of an iteration."""
+class Run:
+    """One training job's parts and counters, which the loop's helpers share."""
 
     def __init__(self, args: Args, info: D.DistInfo):
-        self.args, self.t_start, self.info = args, time.time(), info
-        self.device = torch.device(info.device)
-        self.is_main, self.owns_node = info.rank == 0, info.local_rank == 0
-        if self.device.type == "cpu":
-            K = args.num_collectors
-            threads = args.learner_threads or default_learner_threads(K)
+        """The learner (compiled and warmed up: a failure stops here, before any process or
+        file exists), the run dir, TensorBoard (rank 0), the progress line and --trace."""
+        device, self.info, self.is_main = torch.device(info.device), info, info.rank == 0
+        if device.type == "cpu":
+            threads = args.learner_threads or default_learner_threads(args.num_collectors)
             torch.set_num_threads(max(1, threads // info.local_world_size))
-        if self.device.type == "cuda":
+        else:
             torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
-        self.rng = np.random.default_rng([args.seed, info.rank])  # each rank its own samples
+        self.args, self.learner = args, Learner(args, *env_dims(args.env), device, info)
+        if args.compile:  # (every rank, before the loop's first collective)
+            warm_up(self.learner)
+        torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
         run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir = D.share_with_node(info, "run_dir", {"run_dir": run_dir})["run_dir"]
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
         self.writer = make_writer(args, self.run_dir) if self.is_main else NoWriter()
-        self.dims = env_dims(args.env)
-        self.learner = Learner(args, *self.dims, self.device, info)
-        if args.compile:  # (every rank, before the loop's first collective)
-            warm_up(self.learner, *self.dims[:2])
-        torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
-        self.collectors = None
-        # what a checkpoint must carry besides the networks to continue the loop exactly;
-        # floor: env-local steps below it hold no data (after a resume without the replay)
-        self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0)
-        self.timers = dict(learn=0.0, sample=0.0, sync=0.0, ranks=0.0)
-        self.t_first_update = self.t_last_update = self.metrics = self.prefetched = None
-        self.final_eval, self.ctrl_timing = None, np.zeros(4)
-        self.progress = Progress(args if self.is_main else dataclasses.replace(args, quiet=True),
-                                 self.learner)
-        # --trace: this rank's timeline and, on a node's local rank 0, its collectors' (off:
-        # NO_TIMELINE, nothing); every rank writes its own file
+        self.progress = Progress(dataclasses.replace(args, quiet=args.quiet or not self.is_main))
+        # --trace: this rank's timeline and, on a node's local rank 0, its collectors'
+        # (NO_TIMELINE: records nothing); every rank writes its own file
         self.trace = Trace(args.trace_events, f"learner rank {info.rank}",
-                           cuda=self.device.type == "cuda") if args.trace else None
-        self.timeline = self.learner.timeline = self.trace.learner if self.trace else NO_TIMELINE
-        self.profiler = IterationProfiler(args.profile_iters if self.is_main else None,
-                                          self.run_dir)
-        # episode ends by cause and the policy lag (summed over iterations), whole run and
-        # at the last progress line
-        self.tally = dict(terminated=0, truncated=0, lag=0.0, lag_iterations=0)
-        self.tally_logged = dict(self.tally)
-        self.last_obs = None
+                           cuda=device.type == "cuda") if args.trace else None
+        self.learner.timeline = self.trace.learner if self.trace else NO_TIMELINE
+        self.rng = np.random.default_rng([args.seed, info.rank])  # each rank its own samples
         # the critics' support follows the returns seen (an env VALUE_RANGES lacks)
         self.value_range = ReturnRange(args.num_envs, args.gamma) if args.v_min is None else None
+        self.collectors: Collectors | None = None
+        self.sample: Sampler | Mirror | None = None
+        # what a checkpoint carries besides the networks to continue the loop exactly; floor:
+        # env-local steps below it hold no data (after a resume without the replay file)
+        self.loop = dict(iteration=0, version=0, normalized_upto=0, floor=0, global_step=0)
+        # episode ends by cause, the policy lag (summed over iterations), the learner's
+        # seconds by cause and when it updated first and last; `logged`: the same at the
+        # last progress line
+        self.tally = dict.fromkeys(("terminated", "truncated", "lag", "lag_iterations",
+                                    "learn_s", "sync_s", "ranks_s", "first_update",
+                                    "last_update"), 0)
+        self.logged = dict(self.tally)
+        self.metrics = self.last_obs = None  # the newest iteration's losses and observations
+        self.next_save = self.next_eval = math.inf
+        self.final_eval, self.t_start, self.hashes = None, time.time(), None
 
-    def start(self, resume: dict | None) -> None:
-        """Create the shared memory, load `resume`, publish the first weights and start the
-        collectors."""
-        args, (obs_dim, act_dim, low, high) = self.args, self.dims
-        # each node's envs get their own seeds, and each node collects its share of the env
-        # steps (--total-timesteps and --learning-starts count all nodes together)
-        nodes = self.info.num_nodes
-        node_args = dataclasses.replace(args, seed=args.seed + 7919 * self.info.node_rank,
-                                        total_timesteps=-(-args.total_timesteps // nodes),
-                                        learning_starts=-(-args.learning_starts // nodes))
-        if self.owns_node:
-            self.collectors = Collectors.create(SCRIPT, node_args, self.run_dir,
-                                                make_actor(args, obs_dim, act_dim, low, high),
-                                                obs_dim, act_dim)
-        else:
-            specs = D.share_with_node(self.info, "specs", None)
-            self.collectors = Collectors.attach(SCRIPT, node_args, self.run_dir, specs)
-        self.rb, self.ws, self.ctrl = self.collectors.rb, self.collectors.ws, self.collectors.ctrl
-        starts = [None] * args.num_collectors
-        if resume is not None:
-            starts = restore(resume, self)
-        if self.owns_node:
-            self.ws.publish(self.learner.actor, self.loop["version"])
-            self.collectors.start(make_env, Explorer, starts)
-            D.share_with_node(self.info, "specs", self.collectors.spec)
-        self.episodes_seen = [0] * args.num_collectors
-        rows = args.batch_size * args.updates_per_iter
-        if args.replay_mirror:
-            self.sample = Mirror(self.rb, self.rng, self.device, rows, args.n_step, args.gamma)
-        else:
-            self.sample = Sampler(self.rb, self.rng, self.device, rows, args.n_step,
-                                  args.gamma, pinned=args.prefetch)
-        self.next_save = next_multiple(self.loop["global_step"], args.save_interval)
-        self.next_eval = next_multiple(self.loop["global_step"], args.eval_interval)
-        self.written = self.loop["normalized_upto"]
 
-    def advance(self, chunks: int) -> bool:
-        """Count the env steps collected and how many weight versions behind the learner the
-        newest chunk was collected with; True when this is the last iteration."""
-        versions = self.ctrl.chunk_versions(chunks - 1)
-        if (versions >= 0).all():
-            self.tally["lag"] += self.loop["version"] - float(versions.mean())
-            self.tally["lag_iterations"] += 1
-        self.written = chunks * self.args.steps_per_iter
-        self.loop["global_step"] = self.written * self.args.num_envs * self.info.num_nodes
-        return chunks >= self.collectors.num_chunks
+def start_collectors(run: Run, resume: dict | None) -> Collectors:
+    """Create the shared memory, load `resume`, publish the first weights and start the
+    collectors."""
+    args, learner, info = run.args, run.learner, run.info
+    obs_dim, act_dim, low, high = env_dims(args.env)
+    # each node's envs get their own seeds, and each node collects its share of the env
+    # steps (--total-timesteps and --learning-starts count all nodes together)
+    node_args = dataclasses.replace(args, seed=args.seed + 7919 * info.node_rank,
+                                    total_timesteps=-(-args.total_timesteps // info.num_nodes),
+                                    learning_starts=-(-args.learning_starts // info.num_nodes))
+    if info.local_rank == 0:  # (the node's other ranks attach to its segments)
+        run.collectors = Collectors.create(SCRIPT, node_args, run.run_dir,
+                                           make_actor(args, obs_dim, act_dim, low, high),
+                                           obs_dim, act_dim)
+    else:
+        run.collectors = Collectors.attach(SCRIPT, node_args, run.run_dir,
+                                           D.share_with_node(info, "specs", None))
+    starts = restore(resume, run) if resume is not None else [None] * args.num_collectors
+    if run.collectors.owner:
+        run.collectors.ws.publish(learner.actor, run.loop["version"])
+        run.collectors.start(make_env, Explorer, starts)
+        D.share_with_node(info, "specs", run.collectors.spec)
+    sampling = (run.collectors.rb, run.rng, learner.device,
+                args.batch_size * args.updates_per_iter, args.n_step, args.gamma)
+    run.sample = (Mirror(*sampling, timeline=learner.timeline) if args.replay_mirror else
+                  Sampler(*sampling, pinned=args.prefetch, timeline=learner.timeline))
+    run.next_save = next_multiple(run.loop["global_step"], args.save_interval)
+    run.next_eval = next_multiple(run.loop["global_step"], args.eval_interval)
+    return run.collectors
 
-    def plan_checkpoint(self, chunks: int, done: bool, stopping: bool) -> bool:
-        """Whether this iteration ends with a checkpoint; if so, ask the collectors for a
-        snapshot now. It holds their state at the start of the chunk that needs this
-        iteration's weights, so it is asked for before they are published (async
-        collectors drift apart, so with several there is no common snapshot)."""
-        # (single node only: each node's collector state stays on its node)
-        one_node = self.info.num_nodes == 1
-        self.snapshot_chunk = self.collectors.snapshot_chunk(chunks) if one_node else None
-        save_now = (self.loop["global_step"] >= self.next_save or stopping) and not done
-        if save_now and self.snapshot_chunk is not None and self.owns_node:
-            self.collectors.ask_snapshot(self.snapshot_chunk)
-        return save_now
 
-    def learn(self, chunks: int, window: int, done: bool) -> None:
-        """Fold the new observations into the normalizer, then train on a sample."""
-        args, loop, learner = self.args, self.loop, self.learner
-        written, t0 = self.written, time.perf_counter()
-        mark = self.timeline.now()
-        if written > loop["normalized_upto"]:
-            first = max(loop["normalized_upto"], written - self.rb.capacity, loop["floor"])
-            # (a pageable copy, but the GPU is idle here: the last iteration ended reading
-            # its losses and weights back, so it waits for nothing)
-            new_obs = torch.from_numpy(self.rb.rows(first, written)).to(self.device)
-            update_normalizer(learner.actor.normalizer, new_obs, self.info)
-            if self.value_range is not None:
-                self.follow_returns(first, written)
-            loop["normalized_upto"] = written
-            mark = self.timeline.phase("learner/normalizer_update", mark)
-        if (written - loop["floor"]) * args.num_envs * self.info.num_nodes >= args.learning_starts:
-            self.profiler.step()
-            batch = self.prefetched or self.draw(written, window, loop["floor"])
-            self.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
-            mark = self.timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
-            self.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
-            mark = self.timeline.now()
-            self.prefetched = None
-            if args.prefetch and args.sync_mode != "lockstep" and not done:
-                self.prefetch(chunks, window)
-                mark = self.timeline.phase("learner/prefetch", mark)
-            check_finite(self.metrics, loop["global_step"], learner.num_updates,
-                         lambda bad: D.any_rank(bad, self.info))
-            self.timeline.phase("learner/check_finite", mark)  # (on a GPU: waits for it)
-            self.t_first_update = self.t_first_update or t0
-            self.t_last_update = time.perf_counter()
-        self.timers["learn"] += time.perf_counter() - t0
-
-    def follow_returns(self, first: int, written: int) -> None:
-        """Widen the critics' support to the returns in the new rows (see ReturnRange); the
-        range is the widest over all nodes, so that every rank keeps the same support."""
-        vr, idx = self.value_range, np.arange(first, written) % self.rb.capacity
-        vr.update(self.rb.rewards[:, idx], self.rb.dones[:, idx])
-        lo, neg_hi = D.allreduce_min([vr.lo, -vr.hi], self.info)
+def fold_in_new_rows(run: Run, written: int) -> None:
+    """The new rows' observations into the normalizer (and, with ReturnRange, their rewards
+    into the critics' support), from every node, so that all ranks keep the same ones."""
+    loop, rb, mark = run.loop, run.collectors.rb, run.learner.timeline.now()
+    first = max(loop["normalized_upto"], written - rb.capacity, loop["floor"])
+    # (a pageable copy, but the GPU is idle here: the last iteration ended reading its
+    # losses and weights back, so it waits for nothing)
+    new_obs = torch.from_numpy(rb.rows(first, written)).to(run.learner.device)
+    update_normalizer(run.learner.actor.normalizer, new_obs, run.info)
+    if run.value_range is not None:
+        idx = np.arange(first, written) % rb.capacity
+        run.value_range.update(rb.rewards[:, idx], rb.dones[:, idx])
+        vr = run.value_range  # (the widest range of all nodes)
+        lo, neg_hi = D.allreduce_min([vr.lo, -vr.hi], run.info)
         vr.lo, vr.hi = lo, -neg_hi
-        if (support := vr.changed_support()) is not None:
-            for critics in (self.learner.critics, self.learner.critics_target):
+        if (support := run.value_range.changed_support()) is not None:
+            for critics in (run.learner.critics, run.learner.critics_target):
                 critics.set_support(*support)
-
-    def prefetch(self, chunks: int, window: int) -> None:
-        """--prefetch: gather the next sample while the GPU trains, with the same rows and
-        random draws as gathering it at the next iteration (lockstep has no next chunk
-        before the weights are published)."""
-        ctrl, S = self.ctrl, self.args.steps_per_iter
-        if self.args.sync_mode == "pipelined":
-            nxt, nxt_window = chunks + 1, S if chunks + 1 < self.collectors.num_chunks else 0
-            with contextlib.suppress(CollectorError):  # (handled in wait_for_chunk)
-                self.collectors.wait_until(lambda: ctrl.slowest() >= nxt)
-        else:  # async: whatever is complete on every node (agreed on the CPU, over gloo:
-            # no rank waits here for its GPU to finish the training just queued)
-            nxt, nxt_window = D.allreduce_min(ctrl.slowest(), self.info), window
-        if ctrl.slowest() >= nxt:
-            if self.args.sync_mode == "async":
-                self.collectors.reading(nxt)
-            self.prefetched = self.draw(nxt * S, nxt_window, self.loop["floor"])
-
-    def draw(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
-        """A sample of the rows before `written` (see Sampler); its time counts as the
-        learner's wait for the sample."""
-        t0, mark = time.perf_counter(), self.timeline.now()
-        if isinstance(self.sample, Mirror):  # (its copy of the new rows, then the gather)
-            self.sample.update(written, window, floor)
-            mark = self.timeline.phase("learner/mirror_copy", mark)
-        batch = self.sample(written, window, floor)
-        self.timeline.phase("learner/gather", mark)
-        self.timers["sample"] += time.perf_counter() - t0
-        return batch
-
-    def publish_weights(self) -> None:
-        t0, mark = time.perf_counter(), self.timeline.now()
-        self.loop["version"] += 1
-        if self.owns_node:
-            self.ws.publish(self.learner.actor, self.loop["version"])
-        self.timers["sync"] += time.perf_counter() - t0
-        self.loop["iteration"] += 1
-        self.timeline.phase("learner/weight_sync_write", mark)
-        self.timeline.counter("weights_version", self.loop["version"])
-
-    def log(self, done: bool) -> None:
-        """Episodes as they finish, losses every 10 iterations, rates when progress is due."""
-        writer, step, learner = self.writer, self.loop["global_step"], self.learner
-        mark = self.timeline.now()
-        self.episodes_seen, episodes = self.ctrl.all_episodes_since(self.episodes_seen)
-        episodes[:, 2] *= self.info.num_nodes  # env steps of all nodes
-        for ret, length, at, terminated, *term_sums in episodes:
-            writer.add_scalar("charts/episodic_return", ret, int(at))
-            writer.add_scalar("charts/episodic_length", length, int(at))
-            for name, value in zip(self.collectors.reward_terms, term_sums):
-                writer.add_scalar(f"charts/episodic_{name}", value, int(at))
-            self.tally["terminated" if terminated else "truncated"] += 1
-            self.progress.episode(ret)
-        if self.metrics is not None and (self.loop["iteration"] % 10 == 0 or done):
-            metrics = self.metrics | learner.diagnostics(self.last_obs)
-            for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
-                writer.add_scalar(f"losses/{k}", v, step)
-            if self.trace:  # (one device sync, only now)
-                self.trace.resolve_device()
-        if self.trace and self.owns_node:
-            self.trace.drain(self.ctrl, [proc.pid for proc in self.collectors.procs])
-        self.timeline.counter("replay_rows", self.loop["global_step"])
-        if self.progress.due() or done:
-            elapsed = time.time() - self.t_start
-            writer.add_scalar("charts/SPS", int(step / elapsed), step)
-            writer.add_scalar("charts/update_to_data", learner.num_updates / max(step, 1), step)
-            self.log_window(step)
-            writer.add_scalar("perf/updates_per_sec", self.progress.updates_per_s(), step)
-            timing = self.ctrl.mean_timing()
-            writer.add_scalar("perf/collect_time", timing[COLLECT_S], step)
-            writer.add_scalar("perf/collector_weight_wait", timing[WEIGHT_WAIT_S], step)
-            writer.add_scalar("perf/collector_weight_load", timing[WEIGHT_LOAD_S], step)
-            for k, v in self.all_timers().items():
-                writer.add_scalar(f"perf/{k}_time", v, step)
-            self.progress.show(step, elapsed)
-        self.timeline.phase("learner/log", mark)
-
-    def log_window(self, step: int) -> None:
-        """Rates since the last progress line: how episodes ended, the policy lag; and the
-        replay ratio (transitions sampled per transition collected)."""
-        now, last, writer = self.tally, self.tally_logged, self.writer
-        terminated, truncated = (now[k] - last[k] for k in ("terminated", "truncated"))
-        if terminated + truncated:
-            writer.add_scalar("charts/terminated_rate", terminated / (terminated + truncated),
-                              step)
-            writer.add_scalar("charts/truncated_rate", truncated / (terminated + truncated),
-                              step)
-        if now["lag_iterations"] > last["lag_iterations"]:
-            writer.add_scalar("charts/policy_lag", (now["lag"] - last["lag"])
-                              / (now["lag_iterations"] - last["lag_iterations"]), step)
-        writer.add_scalar("charts/replay_ratio", self.replay_ratio(), step)
-        if self.value_range is not None:
-            for name, value in zip(("v_min", "v_max"), self.value_range.support()):
-                writer.add_scalar(f"charts/{name}", value, step)
-        self.tally_logged = dict(now)
-
-    def evaluate(self, final: bool = False) -> None:
-        """Deterministic episodes on a separate env (and a video with --capture-video)."""
-        args, step, mark = self.args, self.loop["global_step"], self.timeline.now()
-        if not self.is_main:
-            self.next_eval = next_multiple(step, args.eval_interval)
-            self.wait_ranks(D.barrier, self.info)  # (rank 0 evaluates)
-            return
-        returns = evaluate(self.learner.actor, args.env, args.eval_episodes, args.seed,
-                           self.device)
-        self.writer.add_scalar("eval/episodic_return", returns.mean(), step)
-        if args.capture_video:
-            record_video(self.learner.actor, args, self.device, self.run_dir, step)
-        if final:
-            self.final_eval = float(returns.mean())
-            print(f"final eval: return {self.final_eval:.1f} +- {returns.std():.1f}", flush=True)
-        else:
-            self.progress.say(f"eval at step {step:,}: return {returns.mean():.1f} "
-                              f"+- {returns.std():.1f}")
-            self.next_eval = next_multiple(step, args.eval_interval)
-        self.timeline.phase("learner/evaluate", mark)
-        self.wait_ranks(D.barrier, self.info)
-
-    def wait_ranks(self, collective, *args):
-        """Run a collective that waits for the other ranks; its time counts as ranks time
-        (the learner's wait for other ranks) and is a slice of the timeline."""
-        t0, mark = time.perf_counter(), self.timeline.now()
-        try:
-            return collective(*args)
-        finally:
-            self.timers["ranks"] += time.perf_counter() - t0
-            self.timeline.phase(f"learner/{collective.__name__}", mark)
-
-    def save_with_snapshot(self) -> str:
-        """A checkpoint, with the collectors' snapshot when one was asked for; its name."""
-        mark = self.timeline.now()
-        rank_rng = gather_rng(self.rng, self.info)
-        name, collector_state = f"checkpoint_{self.loop['global_step']}.pt", None
-        if self.snapshot_chunk is not None and self.owns_node:
-            collector_state = self.collectors.snapshots()
-        self.checkpoint(name, collector_state, rank_rng)
-        self.next_save = next_multiple(self.loop["global_step"], self.args.save_interval)
-        self.timeline.phase("learner/checkpoint", mark)
-        self.write_trace()  # (an interrupted run keeps the timeline up to here)
-        return name
-
-    def checkpoint(self, name: str, collector_state: list[dict] | None,
-                   rank_rng: list | None = None) -> None:
-        """Save networks, optimizers, counters and RNG (global rank 0 only); with the
-        collectors' snapshot, every rank's RNG and (--save-replay) the replay, a resumed
-        single-node run continues exactly; otherwise it starts fresh collectors."""
-        finite = not D.any_rank(not self.learner.all_finite(), self.info)
-        if self.is_main and finite:
-            self.write_checkpoint(name, collector_state, rank_rng)
-        self.wait_ranks(D.barrier, self.info)  # (rank 0 writes)
-        if not finite:
-            raise Diverged(f"non-finite parameters at env step {self.loop['global_step']}; "
-                           "the last good checkpoint is kept")
-
-    def write_checkpoint(self, name: str, collector_state: list[dict] | None,
-                         rank_rng: list | None) -> None:
-        state = self.learner.state_dict() | {
-            "args": dataclasses.asdict(self.args), "script": SCRIPT, **self.loop,
-            "restarts": self.collectors.restarts,
-            "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "collector": collector_state, "replay": None,
-            "value_range": self.value_range and self.value_range.state(), "rank_rng": rank_rng}
-        if collector_state is not None and self.args.save_replay:
-            state["replay"] = name.removesuffix(".pt") + ".replay.npz"
-            self.rb.save(os.path.join(self.run_dir, state["replay"]),
-                         collector_state[0]["chunk"] * self.args.steps_per_iter)
-        path = os.path.join(self.run_dir, name)  # (via a rename: never half-written)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        for step in checkpoint_steps(self.run_dir)[:-self.args.keep_checkpoints]:
-            for old in (f"checkpoint_{step}.pt", f"checkpoint_{step}.replay.npz"):
-                with contextlib.suppress(FileNotFoundError):  # (the .pt first: a crash
-                    os.remove(os.path.join(self.run_dir, old))  # never leaves it orphaned)
-
-    def finish(self) -> None:
-        """After the last iteration: the final evaluation and model_final.pt."""
-        self.collectors.check()
-        self.progress.close()
-        self.hashes = D.gather_strings(D.param_hash([self.learner.actor, self.learner.critics]),
-                                       self.info)
-        self.evaluate(final=True)
-        self.checkpoint("model_final.pt", None)
-
-    def write_trace(self) -> None:
-        """--trace: the timeline so far, to {run_dir}/trace.json (rank 0, with its node's
-        collectors) and trace_rank{r}.json (rank r; on local rank 0 with its node's)."""
-        if self.trace is not None and self.collectors is not None:
-            if self.owns_node:
-                self.trace.drain(self.ctrl, [proc.pid for proc in self.collectors.procs])
-            name = "trace.json" if self.is_main else f"trace_rank{self.info.rank}.json"
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.trace.write(os.path.join(self.run_dir, name),
-                             {"script": SCRIPT, "sync_mode": self.args.sync_mode,
-                              "rank": self.info.rank})
-
-    def replay_ratio(self) -> float:
-        """Transitions sampled per transition collected (on all ranks together)."""
-        sampled = self.learner.num_updates * self.args.batch_size * self.info.world_size
-        return sampled / max(self.loop["global_step"], 1)
-
-    def close(self) -> None:
-        """Stop the collectors first, then remove the shared memory."""
-        try:  # (a profile or trace that cannot be written must not keep the collectors running)
-            self.profiler.stop()
-            self.write_trace()
-        except Exception as e:
-            print(f"warning: --trace/--profile-iters: {type(e).__name__}: {e}", file=sys.stderr,
-                  flush=True)
-        if self.collectors is not None:
-            self.ctrl_timing = self.ctrl.mean_timing()
-            self.collectors.close()
-        for tmp in glob.glob(os.path.join(self.run_dir, "*.tmp")) if self.is_main else []:
-            os.remove(tmp)  # cut off by a second signal
-        self.writer.close()
-
-    def write_summary(self, status: str) -> None:
-        if not self.is_main:
-            return
-        loop, learner, info = self.loop, self.learner, self.info
-        summary = {
-            "status": status, "env_id": self.args.env, "sync_mode": self.args.sync_mode,
-            "total_env_steps": loop["global_step"], "num_updates": learner.num_updates,
-            "iterations": loop["iteration"], "wall_time_s": round(time.time() - self.t_start, 2),
-            "final_eval_return": self.final_eval, "device": self.args.device,
-            "seed": self.args.seed, "perf": self.perf(),
-            "collector_restarts": self.collectors.restarts if self.collectors else 0,
-            "episodes_terminated": self.tally["terminated"],
-            "episodes_truncated": self.tally["truncated"],
-            "replay_ratio": round(self.replay_ratio(), 3),
-            "policy_lag": (round(self.tally["lag"] / self.tally["lag_iterations"], 3)
-                           if self.tally["lag_iterations"] else None),
-            "world_size": info.world_size, "nodes": info.num_nodes, "backend": info.backend,
-            "rank_param_hashes": self.hashes if status == "completed" else None,
-        }
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-
-    def all_timers(self) -> dict:
-        """Seconds spent waiting for collectors, learning and publishing weights."""
-        return {"wait": self.collectors.wait_s if self.collectors else 0.0, **self.timers}
-
-    def perf(self) -> dict:
-        """Throughput figures for summary.json (rates over the time each part was busy)."""
-        collect_s, timers = float(self.ctrl_timing[COLLECT_S]), self.all_timers()
-        steps, updates = self.loop["global_step"], self.learner.num_updates
-        training_s = (self.t_last_update - self.t_first_update) if self.t_first_update else 0
-
-        def rate(n, seconds):
-            return round(n / seconds, 1) if seconds else None
-
-        return {"collect_s": round(collect_s, 3),
-                "collector_weight_wait_s": round(self.ctrl_timing[WEIGHT_WAIT_S], 3),
-                **{f"{k}_s": round(v, 3) for k, v in timers.items()},
-                "collector_steps_per_s": rate(steps, collect_s),
-                "learner_updates_per_s": rate(updates, timers["learn"]),
-                "updates_per_s_since_first_update": rate(updates, training_s)}
+    loop["normalized_upto"] = written
+    run.learner.timeline.phase("learner/normalizer_update", mark)
 
 
-class Diverged(RuntimeError):
-    pass
+def log_iteration(run: Run, done: bool) -> None:
+    """Episodes as they finish, losses every 10 iterations, rates when progress is due."""
+    writer, learner, tally, timeline = run.writer, run.learner, run.tally, run.learner.timeline
+    step, mark, collectors = run.loop["global_step"], timeline.now(), run.collectors
+    episodes = collectors.new_episodes()
+    episodes[:, 2] *= run.info.num_nodes  # env steps of all nodes
+    for ret, length, at, terminated, *term_sums in episodes:
+        writer.add_scalar("charts/episodic_return", ret, int(at))
+        writer.add_scalar("charts/episodic_length", length, int(at))
+        for name, value in zip(collectors.reward_terms, term_sums):
+            writer.add_scalar(f"charts/episodic_{name}", value, int(at))
+        tally["terminated" if terminated else "truncated"] += 1
+        run.progress.recent.append(ret)
+    if run.metrics is not None and (run.loop["iteration"] % 10 == 0 or done):
+        metrics = run.metrics | learner.diagnostics(run.last_obs)
+        for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
+            writer.add_scalar(f"losses/{k}", v, step)
+        if run.trace:  # (one device sync, only now)
+            run.trace.resolve_device()
+    if run.trace and collectors.owner:
+        collectors.drain_trace(run.trace)
+    timeline.counter("replay_rows", step)
+    if run.progress.due() or done:
+        new = {k: tally[k] - run.logged[k] for k in tally}  # since the last progress line
+        timing = collectors.ctrl.mean_timing()  # (the collectors' cumulative seconds)
+        scalars = {"charts/SPS": int(step / (time.time() - run.t_start)),
+                   "charts/update_to_data": learner.num_updates / max(step, 1),
+                   "charts/replay_ratio": replay_ratio(run),
+                   "perf/collect_time": timing[COLLECT_S],
+                   "perf/collector_weight_wait": timing[WEIGHT_WAIT_S],
+                   "perf/collector_weight_load": timing[WEIGHT_LOAD_S],
+                   **{f"perf/{k.removesuffix('_s')}_time": v for k, v in timers(run).items()}}
+        if ended := new["terminated"] + new["truncated"]:
+            scalars["charts/terminated_rate"] = new["terminated"] / ended
+            scalars["charts/truncated_rate"] = new["truncated"] / ended
+        if new["lag_iterations"]:
+            scalars["charts/policy_lag"] = new["lag"] / new["lag_iterations"]
+        if run.value_range is not None:
+            scalars |= dict(zip(("charts/v_min", "charts/v_max"), run.value_range.support()))
+        scalars["perf/updates_per_sec"] = run.progress.show(step, time.time() - run.t_start,
+                                                            learner.num_updates)
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+        run.logged = dict(tally)
+    timeline.phase("learner/log", mark)
+
+
+def timers(run: Run) -> dict[str, float]:
+    """The learner's seconds by cause: waiting for collectors, learning, sampling, weights."""
+    return {"wait_s": run.collectors.wait_s if run.collectors else 0.0,
+            "learn_s": run.tally["learn_s"], "sample_s": run.sample.seconds if run.sample else 0,
+            "sync_s": run.tally["sync_s"], "ranks_s": run.tally["ranks_s"]}
+
+
+def replay_ratio(run: Run) -> float:
+    """Transitions sampled per transition collected (on all ranks together)."""
+    sampled = run.learner.num_updates * run.args.batch_size * run.info.world_size
+    return sampled / max(run.loop["global_step"], 1)
+
+
+def evaluate_policy(run: Run, final: bool = False) -> None:
+    """Deterministic episodes on a separate env (and a video with --capture-video), on rank
+    0; the others wait."""
+    args, step, mark = run.args, run.loop["global_step"], run.learner.timeline.now()
+    if not run.is_main:
+        run.next_eval = next_multiple(step, args.eval_interval)
+        wait_ranks(run, D.barrier, run.info)
+        return
+    actor, device = run.learner.actor, run.learner.device
+    returns = evaluate(actor, args.env, args.eval_episodes, args.seed, device)
+    run.writer.add_scalar("eval/episodic_return", returns.mean(), step)
+    if args.capture_video:
+        record_video(actor, args, device, run.run_dir, step)
+    if final:
+        run.final_eval = float(returns.mean())
+    else:
+        run.next_eval = next_multiple(step, args.eval_interval)
+    run.progress.bar.write(f"{'final eval' if final else f'eval at step {step:,}'}: return "
+                           f"{returns.mean():.1f} +- {returns.std():.1f}")
+    run.learner.timeline.phase("learner/evaluate", mark)
+    wait_ranks(run, D.barrier, run.info)
+
+
+def finish_run(run: Run, status: str, message: str | None) -> None:
+    """Print how the run ended, write the trace, stop the collectors, remove the shared
+    memory, and write summary.json: the run's counts and rates (each over the time its part
+    was busy)."""
+    run.progress.bar.close()
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    try:  # (a trace that cannot be written must not keep the collectors running)
+        write_trace(run)
+    except Exception as e:
+        print(f"warning: --trace: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if run.collectors is not None:
+        run.collectors.close()
+    for tmp in glob.glob(os.path.join(run.run_dir, "*.tmp")) if run.is_main else []:
+        os.remove(tmp)  # cut off by a second signal
+    run.writer.close()
+    if not run.is_main:
+        return
+    loop, updates, tally = run.loop, run.learner.num_updates, run.tally
+    collect_s = float(run.collectors.timing[COLLECT_S]) if run.collectors else 0.0
+
+    def rate(n, seconds):
+        return round(n / seconds, 1) if seconds else None
+
+    summary = {
+        "status": status, "env_id": run.args.env, "sync_mode": run.args.sync_mode,
+        "total_env_steps": loop["global_step"], "num_updates": updates,
+        "iterations": loop["iteration"], "wall_time_s": round(time.time() - run.t_start, 2),
+        "final_eval_return": run.final_eval, "device": run.args.device, "seed": run.args.seed,
+        "perf": {"collect_s": round(collect_s, 3),
+                 **{k: round(v, 3) for k, v in timers(run).items()},
+                 "collector_steps_per_s": rate(loop["global_step"], collect_s),
+                 "learner_updates_per_s": rate(updates, tally["learn_s"]),
+                 "updates_per_s_since_first_update": rate(
+                     updates, tally["last_update"] - tally["first_update"])},
+        "collector_restarts": run.collectors.restarts if run.collectors else 0,
+        "episodes_terminated": tally["terminated"], "episodes_truncated": tally["truncated"],
+        "replay_ratio": round(replay_ratio(run), 3),
+        "policy_lag": (round(tally["lag"] / tally["lag_iterations"], 3)
+                       if tally["lag_iterations"] else None),
+        "world_size": run.info.world_size, "nodes": run.info.num_nodes,
+        "backend": run.info.backend,
+        "rank_param_hashes": run.hashes if status == "completed" else None}
+    with open(os.path.join(run.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def write_trace(run: Run) -> None:
+    """--trace: the timeline so far, to {run_dir}/trace.json (rank 0, with its node's
+    collectors) and trace_rank{r}.json (rank r; on local rank 0 with its node's)."""
+    if run.trace is not None and run.collectors is not None:
+        if run.collectors.owner:
+            run.collectors.drain_trace(run.trace)
+        name = "trace.json" if run.is_main else f"trace_rank{run.info.rank}.json"
+        os.makedirs(run.run_dir, exist_ok=True)
+        run.trace.write(os.path.join(run.run_dir, name), {
+            "script": SCRIPT, "sync_mode": run.args.sync_mode, "rank": run.info.rank})
+
+
+def wait_ranks(run: Run, collective, *args):
+    """Run a collective that waits for the other ranks; its time counts as the learner's
+    wait for them (ranks_s) and is a slice of the timeline."""
+    t0, mark = time.perf_counter(), run.learner.timeline.now()
+    try:
+        return collective(*args)
+    finally:
+        run.tally["ranks_s"] += time.perf_counter() - t0
+        run.learner.timeline.phase(f"learner/{collective.__name__}", mark)
 
 
 class NoWriter:
@@ -1384,11 +1043,9 @@ def gather_rng(rng: np.random.Generator, info: D.DistInfo) -> list[dict]:
 
 
 def update_normalizer(normalizer: Normalizer, x: torch.Tensor, info: D.DistInfo) -> None:
-    """Fold every node's new observations into the normalizer, identically on all ranks.
-
-    Local rank 0 contributes its node's rows; the counts, sums and squared sums are summed
-    over all ranks, so nodes with different data still end with the same statistics.
-    """
+    """Fold every node's new observations into the normalizer, identically on all ranks:
+    local rank 0 contributes its node's rows, and the counts, sums and squared sums are
+    summed over all ranks."""
     x = x.double()
     if info.local_rank != 0:
         x = x[:0]
@@ -1400,27 +1057,8 @@ def update_normalizer(normalizer: Normalizer, x: torch.Tensor, info: D.DistInfo)
     normalizer.merge(n, mean.float(), var.float())
 
 
-class StopRequest:
-    """SIGINT and SIGTERM: the first asks for a stop after a complete checkpoint at the next
-    iteration (see `train`); a second one aborts at once (KeyboardInterrupt), except a
-    SIGTERM after a SIGTERM: on a cluster the same notice comes from the scheduler and again
-    from a launcher that forwards it (torchrun), and the checkpoint it asks for is already
-    under way."""
-
-    def __init__(self):
-        self.signum, self.t = None, 0.0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        if self.signum is None:
-            self.signum, self.t = signum, time.perf_counter()
-        elif not signum == self.signum == signal.SIGTERM:
-            raise KeyboardInterrupt(f"second signal {signum}")
-
-
-class Interrupted(Exception):
-    """Stopped by a signal after the checkpoint it asked for."""
+class Diverged(RuntimeError):
+    pass
 
 
 def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates: int,
@@ -1446,43 +1084,28 @@ def grad_norm(params) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def profile_range(text: str) -> tuple[int, int]:
-    """--profile-iters A:B -> (A, B)."""
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) >= int(m.group(2)):
-        raise ArgsError(f"--profile-iters must be A:B with A < B (training iterations A to "
-                        f"B-1, counted from the first update), got '{text}'")
-    return int(m.group(1)), int(m.group(2))
-
-
-class IterationProfiler:
-    """--profile-iters A:B: torch.profiler (CPU, and CUDA kernels on a GPU) over training
-    iterations A to B-1, written to {run_dir}/profile.json (Chrome trace format, like
-    trace.json): where a launch-bound learner spends its time, kernel by kernel."""
-
-    def __init__(self, iters: str | None, run_dir: str):
-        self.range, self.run_dir = profile_range(iters) if iters else None, run_dir
-        self.count, self.prof = 0, None
-
-    def step(self) -> None:
-        """Call at the start of every training iteration."""
-        if self.range is None:
-            return
-        if self.count == self.range[0]:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.prof.__enter__()
-        elif self.count == self.range[1]:
-            self.stop()
-        self.count += 1
-
-    def stop(self) -> None:
-        if self.prof is not None:
-            prof, self.prof = self.prof, None
-            prof.__exit__(None, None, None)
-            prof.export_chrome_trace(os.path.join(self.run_dir, "profile.json"))
+def warm_up(learner: Learner) -> None:
+    """--compile: compile both update steps now by running them once on made-up data, so
+    that a compile error stops the run in its first seconds, before any process starts.
+    The networks, optimizers, counters and random state are put back afterwards."""
+    saved = copy.deepcopy(learner.state_dict())
+    cuda = learner.device.type == "cuda"
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+    rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
+    shapes = batch_shapes(rows, learner.actor.normalizer.mean.shape[0], len(learner.actor.scale))
+    try:
+        learner.train_iteration({k: torch.zeros(shape, device=learner.device)
+                                 for k, shape in shapes.items()})
+        if cuda:
+            torch.cuda.synchronize(learner.device)
+    except Exception as e:
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
+                        f"{first_line}); run with --compile False") from e
+    learner.load_state_dict(saved)
+    torch.set_rng_state(rng[0])
+    if cuda:
+        torch.cuda.set_rng_state_all(rng[1])
 
 
 # =======================================================================================
@@ -1505,48 +1128,34 @@ def make_writer(args: Args, run_dir: str):
 
 
 class Progress:
-    """A tqdm bar on a terminal, a line every --log-interval seconds otherwise; --quiet
-    prints only evaluations and errors."""
+    """tqdm's bar on a terminal; otherwise a line every --log-interval seconds (a log file
+    gets lines, not a bar's carriage returns); --quiet: evaluations and errors only."""
 
-    def __init__(self, args: Args, learner: Learner):
+    def __init__(self, args: Args):
         from tqdm import tqdm
 
-        self.args, self.learner, self.recent = args, learner, []
-        self.bar = None
-        if not args.quiet and sys.stdout.isatty():
-            self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
-        self.t_last, self.updates_last, self.step_last = time.perf_counter(), 0, 0
-        self.interval = 0.5 if self.bar is not None else args.log_interval
-
-    def episode(self, ret: float) -> None:
-        self.recent = (self.recent + [ret])[-20:]
+        self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True,
+                        disable=args.quiet or not sys.stdout.isatty())
+        self.lines = self.bar.disable and not args.quiet
+        self.interval = args.log_interval if self.bar.disable else 0.5
+        self.recent = collections.deque(maxlen=20)  # the newest episodes' returns
+        self.last = time.perf_counter(), 0, 0  # (time, env step, updates) at the last line
 
     def due(self) -> bool:
-        return time.perf_counter() - self.t_last >= self.interval
+        return time.perf_counter() - self.last[0] >= self.interval
 
-    def updates_per_s(self) -> float:
-        return (self.learner.num_updates - self.updates_last) / (time.perf_counter() - self.t_last)
-
-    def show(self, global_step: int, elapsed: float) -> None:
-        now = time.perf_counter()
-        sps = (global_step - self.step_last) / (now - self.t_last)
-        ups, updates = self.updates_per_s(), self.learner.num_updates
+    def show(self, step: int, elapsed: float, updates: int) -> float:
+        """The rates since the last line; returns updates/s."""
+        (t, step_last, updates_last), now = self.last, time.perf_counter()
+        sps, ups = (step - step_last) / (now - t), (updates - updates_last) / (now - t)
         ret = f"{np.mean(self.recent):9.1f}" if self.recent else "      n/a"
-        if self.bar is not None:
-            self.bar.update(global_step - self.bar.n)
-            self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
-        elif not self.args.quiet:
-            print(f"step {global_step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | updates/s "
-                  f"{ups:6.1f} | updates {updates:>8,} | return {ret}", flush=True)
-        self.t_last, self.updates_last, self.step_last = now, updates, global_step
-
-    def say(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else print)(text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
+        if self.lines:
+            print(f"step {step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | updates/s {ups:6.1f} | "
+                  f"updates {updates:>8,} | return {ret}", flush=True)
+        self.last = now, step, updates
+        return ups
 
 
 @torch.no_grad()
@@ -1592,131 +1201,70 @@ def record_video(actor: Actor, args: Args, device, run_dir: str, global_step: in
 
 
 # =======================================================================================
-# Checkpoints and resume
+# Checkpoints and resume (common/checkpoints.py keeps the files)
+
+# fields that must match between a checkpoint and the run that continues it; and those
+# resolved again for the machine it continues on
+RESUME_FIXED = ("num_envs", "num_collectors", "buffer_size", "steps_per_iter", "actor_hidden",
+                "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min", "v_max")
+MACHINE = ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
+           "learner_threads")
 
 
-def checkpoint_steps(run_dir: str) -> list[int]:
-    """The env steps of the checkpoint_*.pt files in `run_dir`, oldest first."""
-    names = (re.fullmatch(r"checkpoint_(\d+)\.pt", f) for f in os.listdir(run_dir))
-    return sorted(int(m.group(1)) for m in names if m)
+def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> str:
+    """Networks, optimizers, counters and RNG (its name: checkpoint_{step}.pt by default),
+    written by rank 0; with the collectors' snapshot at chunk `snapshot`, every rank's RNG
+    and (--save-replay) the replay, a resumed single-node run continues exactly."""
+    mark, step = run.learner.timeline.now(), run.loop["global_step"]
+    rank_rng = None if name else gather_rng(run.rng, run.info)  # (a collective)
+    name = name or f"checkpoint_{step}.pt"
+    own = snapshot is not None and run.collectors.owner
+    collector_state = run.collectors.snapshots() if own else None
+    if D.any_rank(not run.learner.all_finite(), run.info):
+        raise Diverged(f"non-finite parameters at env step {step}; the last good checkpoint "
+                       "is kept")
+    state = run.learner.state_dict() | {
+        "args": dataclasses.asdict(run.args), "script": SCRIPT, **run.loop,
+        "restarts": run.collectors.restarts, "rng": run.rng.bit_generator.state,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "collector": collector_state, "replay": None,
+        "value_range": run.value_range and run.value_range.state(), "rank_rng": rank_rng}
+    if run.is_main and collector_state is not None and run.args.save_replay:
+        state["replay"] = name.removesuffix(".pt") + ".replay.npz"
+        run.collectors.rb.save(os.path.join(run.run_dir, state["replay"]),
+                               collector_state[0]["chunk"] * run.args.steps_per_iter)
+    if run.is_main:
+        checkpoints.save(state, run.run_dir, name, run.args.keep_checkpoints)
+    wait_ranks(run, D.barrier, run.info)  # (rank 0 writes)
+    run.next_save = next_multiple(step, run.args.save_interval)
+    run.learner.timeline.phase("learner/checkpoint", mark)
+    write_trace(run)  # (an interrupted run keeps the timeline up to here)
+    return name
 
 
-def find_checkpoint(path: str) -> tuple[str, dict, Args]:
-    """The checkpoint `path`, or the newest complete one in the run dir `path` (it loads,
-    and its replay file, when it names one, is whole; others are skipped with a warning),
-    with its arguments. Newest means written last (model_final.pt too)."""
-    if not os.path.isdir(path):
-        if not os.path.isfile(path):
-            raise ArgsError(f"checkpoint {path} does not exist")
-        return path, *load_checkpoint(path)
-    names = [f"checkpoint_{s}.pt" for s in checkpoint_steps(path)] + ["model_final.pt"]
-    files = [os.path.join(path, n) for n in names if os.path.exists(os.path.join(path, n))]
-    for file in sorted(files, key=os.path.getmtime, reverse=True):
-        try:
-            return file, *load_checkpoint(file)
-        except ArgsError as e:
-            print(f"warning: skipping {file}: {e}", file=sys.stderr, flush=True)
-    raise ArgsError(f"no complete checkpoint_*.pt or model_final.pt in {path}")
-
-
-def load_checkpoint(path: str) -> tuple[dict, Args]:
-    """A checkpoint written by this script, and its arguments."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ArgsError(f"cannot read checkpoint {path}: {e}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("script") != SCRIPT:
-        raise ArgsError(f"{path} was not written by {SCRIPT}.py "
-                        f"(script: {ckpt.get('script') if isinstance(ckpt, dict) else '?'})")
-    replay = ckpt["replay"] and os.path.join(os.path.dirname(path), ckpt["replay"])
-    if replay and not ReplayBuffer.file_is_whole(replay):
-        raise ArgsError(f"its replay file {replay} is missing or cut off")
-    known = {f.name for f in dataclasses.fields(Args)}  # (flags removed since are dropped)
-    return ckpt, Args(**{k: v for k, v in ckpt["args"].items() if k in known})
-
-
-# fields that must match between a checkpoint and the run that continues it
-RESUME_FIXED = ("env", "num_envs", "num_collectors", "buffer_size", "steps_per_iter",
-                "actor_hidden", "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min",
-                "v_max")
-
-
-def flags_given(argv: list[str]) -> set[str]:
-    """The Args fields named on the command line (`--total-timesteps 5`, `--x=5`, `--quiet`,
-    `--no-quiet`), whatever their values: on resume they override the saved arguments, even
-    where they equal the defaults."""
-    names, given = {f.name for f in dataclasses.fields(Args)}, set()
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=", 1)[0].replace("-", "_")
-            given.add(name if name in names else name.removeprefix("no_"))
-    return given & names
-
-
-def load_for_resume(args: Args, given: set[str]) -> tuple[Args, dict]:
-    """The checkpoint named by --resume and the arguments to continue it with: the saved
-    ones, overridden by the flags given on this command line (`given`, see flags_given),
-    whatever their values. No checkpoint (None) with --resume auto and a --run-dir that has
-    no complete one."""
-    auto = args.resume == "auto"
-    if auto and not args.run_dir:
-        raise ArgsError("--resume auto needs --run-dir: the run to continue or to start")
-    if auto and not os.path.isdir(args.run_dir):
-        return dataclasses.replace(args, resume=None), None
-    try:
-        path, ckpt, saved_args = find_checkpoint(args.run_dir if auto else args.resume)
-    except ArgsError as e:
-        if not auto:
-            raise
-        print(f"--resume auto: starting fresh ({e})", file=sys.stderr, flush=True)
-        return dataclasses.replace(args, resume=None), None
-    saved, defaults = vars(saved_args), vars(Args())
-    given = {k: v for k, v in vars(args).items() if k in given}
-    for key in ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
-                "learner_threads"):
-        saved[key] = defaults[key]  # resolved again for this machine (shapes stay saved)
-    for key in RESUME_FIXED:
-        if key in given and key != "env" and given[key] != saved[key]:
-            raise ArgsError(f"--{key.replace('_', '-')} {given[key]} does not match the "
-                            f"checkpoint's {saved[key]}; a run continues with its own shapes")
-    if "env" in given and resolve_env_id(given["env"]) != saved["env"]:
-        raise ArgsError(f"{path} was trained on {saved['env']}, not {given['env']}")
-    merged = Args(**(saved | given | {"resume": args.resume}))
-    merged.run_dir = merged.run_dir or os.path.dirname(path)
-    ckpt["dir"], ckpt["path"] = os.path.dirname(path), path
-    return merged, ckpt
-
-
-def restore(ckpt: dict, run: Training) -> list[dict]:
+def restore(ckpt: dict, run: Run) -> list[dict]:
     """Load a checkpoint into the learner and the buffers; returns the collectors' starts."""
     run.learner.load_state_dict(ckpt)
     run.rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
-    if ckpt.get("cuda_rng") and run.device.type == "cuda":
+    if ckpt.get("cuda_rng") and run.learner.device.type == "cuda":
         with contextlib.suppress(RuntimeError):  # (another number of GPUs: fresh noise)
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
-    loop, S = run.loop, run.args.steps_per_iter
+    loop = run.loop
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
-    run.collectors.restarts = ckpt["restarts"]
     if run.value_range is not None and ckpt.get("value_range"):
         run.value_range.load(ckpt["value_range"], episodes_continue=bool(ckpt["replay"]))
-    # without a snapshot, fresh episodes start at the chunk that uses the saved weights
-    first = loop["version"] + (1 if ckpt["args"]["sync_mode"] == "pipelined" else 0)
-    starts = ckpt["collector"] or [{"chunk": first, "restart": ckpt["restarts"] + 1}] * run.ctrl.num
-    chunk = starts[0]["chunk"]
     if run.is_main:
         print(f"resuming {ckpt['path']} at env step {loop['global_step']:,}", flush=True)
-    if not ckpt["replay"]:  # nothing below this chunk is in the buffer: refill first
-        loop["floor"] = chunk * S
-        loop["normalized_upto"] = max(loop["normalized_upto"], chunk * S)
-    if run.owns_node:
-        replay = ckpt["replay"] and os.path.join(ckpt["dir"], ckpt["replay"])
-        run.collectors.resume_at(chunk, replay)
+    starts, floor = run.collectors.resume(ckpt)
+    if floor is not None:  # no replay file: the buffer refills before updates go on
+        loop["floor"], loop["normalized_upto"] = floor, max(loop["normalized_upto"], floor)
     if ckpt.get("rank_rng") and len(ckpt["rank_rng"]) == run.info.world_size:
         mine = ckpt["rank_rng"][run.info.rank]  # an exact continuation of this rank
         run.rng.bit_generator.state = mine["rng"]
         torch.set_rng_state(torch.tensor(mine["torch_rng"], dtype=torch.uint8))
-        if mine.get("cuda_rng") and run.device.type == "cuda":
+        if mine.get("cuda_rng") and run.learner.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(mine["cuda_rng"], dtype=torch.uint8))
     else:
         run.rng = np.random.default_rng([run.args.seed, run.info.rank, loop["iteration"]])
@@ -1725,32 +1273,122 @@ def restore(ckpt: dict, run: Training) -> list[dict]:
 
 def evaluate_checkpoint(args: Args) -> int:
     """--eval-only: mean and std of the return of a saved policy."""
-    path, ckpt, saved = find_checkpoint(args.checkpoint)
-    obs_dim, act_dim, low, high = env_dims(saved.env)
-    actor = make_actor(saved, obs_dim, act_dim, low, high)
+    if not args.checkpoint:
+        raise ArgsError("--eval-only needs --checkpoint PATH (a .pt file or run dir)")
+    ckpt = checkpoints.find(args.checkpoint, SCRIPT)
+    saved = checkpoints.saved_args(Args, ckpt)
+    actor = make_actor(saved, *env_dims(saved.env))
     actor.load_state_dict(ckpt["actor"])
     returns = evaluate(actor, saved.env, args.eval_episodes, args.seed, "cpu")
     print(f"{saved.env}: return {returns.mean():.1f} +- {returns.std():.1f} over "
-          f"{args.eval_episodes} deterministic episodes ({path})")
+          f"{args.eval_episodes} deterministic episodes ({ckpt['path']})")
     return 0
+
+
+# =======================================================================================
+# Arguments: the recipe's defaults and the checks (all before any process starts); main
+
+
+def resolve_args(args: Args, check_shm: bool = True) -> Args:
+    """Fill the recipe's defaults for the learner's device and the env family, then check
+    everything; raise ArgsError. (check_shm=False: for callers that create no buffers.)"""
+    env_id = resolve_env_id(args.env)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ArgsError("--device cuda was asked for but torch sees no CUDA device; "
+                        "use --device cpu (or auto)")
+    device = "cuda" if args.device == "cuda" or (
+        args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    recipe = GPU_RECIPE if device == "cuda" else CPU_RECIPE
+    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
+    family = env_id.split("-v")[0]
+    if (args.v_min is None) != (args.v_max is None) and family not in VALUE_RANGES:
+        raise ArgsError(f"{env_id} has no value range in VALUE_RANGES: give both --v-min and "
+                        "--v-max, or neither (the critics' support then follows the returns "
+                        "seen)")
+    v_min, v_max = VALUE_RANGES.get(family, (None, None))  # (None: see ReturnRange)
+    args = dataclasses.replace(args, env=env_id, device=device, **filled,
+                               v_min=v_min if args.v_min is None else args.v_min,
+                               v_max=v_max if args.v_max is None else args.v_max)
+    if args.target_entropy is None:
+        args.target_entropy = TARGET_ENTROPY.get(family, DEFAULT_TARGET_ENTROPY)
+    if args.n_step is None:
+        args.n_step = N_STEP.get(family, DEFAULT_N_STEP)
+    for flag in ("compile", "amp", "prefetch", "replay_mirror"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, device == "cuda")
+    if args.num_collectors is None:
+        args.num_collectors = default_num_collectors(device, args.num_envs)
+    check_args(args, check_shm)
+    return args
+
+
+def resolve_env_id(name: str) -> str:
+    """A registered id as given, or the newest version of a short name (Humanoid -> -v5)."""
+    if name in gym.registry:
+        return name
+    versions = [(int(m.group(1)), k) for k in gym.registry
+                if (m := re.fullmatch(re.escape(name) + r"-v(\d+)", k))]
+    if versions:
+        return max(versions)[1]
+    close = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    raise ArgsError(f"unknown environment '{name}'.{hint}")
+
+
+def check_args(args: Args, check_shm: bool = True) -> None:
+    """Raise ArgsError, with the fix, for input that would fail later or silently."""
+    for name in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "steps_per_iter",
+                 "updates_per_iter", "actor_hidden", "critic_hidden", "policy_frequency",
+                 "n_step", "num_atoms", "eval_episodes", "keep_checkpoints", "trace_events",
+                 "learning_starts", "save_interval", "eval_interval"):
+        low = 2 if name == "trace_events" else 0 if name.endswith(("starts", "interval")) else 1
+        if getattr(args, name) < low:
+            raise ArgsError(f"--{name.replace('_', '-')} must be "
+                            f"{'positive' if low == 1 else f'at least {low}'}, "
+                            f"got {getattr(args, name)}")
+    if args.cudagraphs and not (args.device == "cuda" and args.compile):
+        raise ArgsError("--cudagraphs needs a CUDA learner and --compile")
+    if not 1 <= args.num_collectors <= args.num_envs:
+        raise ArgsError(f"--num-collectors must lie in [1, --num-envs ({args.num_envs})], got "
+                        f"{args.num_collectors}: each collector steps at least one env")
+    if not 0 < args.gamma <= 1 or not 0 < args.tau <= 1:
+        raise ArgsError("--gamma and --tau must lie in (0, 1]")
+    if args.v_min is not None and args.v_min >= args.v_max:
+        raise ArgsError(f"--v-min ({args.v_min}) must be below --v-max ({args.v_max})")
+    if args.learning_starts >= args.total_timesteps:
+        raise ArgsError(f"--learning-starts ({args.learning_starts}) must be below "
+                        f"--total-timesteps ({args.total_timesteps}), or nothing is learned")
+    for flag, package in (("track", "wandb"), ("capture_video", "imageio")):
+        if getattr(args, flag) and importlib.util.find_spec(package) is None:
+            raise ArgsError(f"--{flag.replace('_', '-')} needs the {package} package: "
+                            f"pip install {package}")
+    env = gym.make(args.env)
+    space, obs_space = env.action_space, env.observation_space
+    env.close()
+    if not isinstance(space, gym.spaces.Box) or not np.isfinite([space.low, space.high]).all():
+        raise ArgsError(f"{args.env} has a {type(space).__name__} action space; {SCRIPT} needs "
+                        "continuous (Box) actions with finite bounds")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        raise ArgsError(f"{args.env} must have a flat Box observation space, got {obs_space}")
+    check_sizes(args, obs_space.shape[0], space.shape[0], check_shm)  # shared memory, disk
 
 
 def main(argv=None) -> int:
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(Args, args=argv)
+    args, resume = tyro.cli(Args, args=argv), None
     if args.capture_video:  # offscreen MuJoCo rendering without a display
         os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         if args.eval_only:
-            if not args.checkpoint:
-                raise ArgsError("--eval-only needs --checkpoint PATH (a .pt file or run dir)")
             return evaluate_checkpoint(args)
-        resume = None
         if args.resume:
-            args, resume = load_for_resume(args, flags_given(argv))
-        if resume is not None and resume["global_step"] >= args.total_timesteps:
+            args, resume = checkpoints.resume(args, argv, SCRIPT, RESUME_FIXED, MACHINE)
+        if resume and resolve_env_id(args.env) != resume["args"]["env"]:
+            raise ArgsError(f"{resume['path']} was trained on {resume['args']['env']}, not "
+                            f"{args.env}")
+        if resume and resume["global_step"] >= args.total_timesteps:
             print(f"the checkpoint has {resume['global_step']:,} env steps already "
                   f"(--total-timesteps {args.total_timesteps:,}): nothing to do")
             return 0

@@ -43,7 +43,11 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fast_sac  # noqa: E402
-from common.collectors import Collectors  # noqa: E402
+from common.collectors import (  # noqa: E402
+    Collectors,
+    available_cores,
+    default_learner_threads,
+)
 from common.control import CHUNKS_DONE, FINISHED  # noqa: E402
 from common.replay import ReplayBuffer, to_device  # noqa: E402
 from common.weights import WeightSync  # noqa: E402
@@ -176,11 +180,11 @@ def write_scaling(path: str, env_id: str, cores: int, rows: dict[str, list[float
 def main(b: Bench) -> None:
     env_id = fast_sac.resolve_env_id(b.env)
     args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
-    cores = fast_sac.available_cores()
+    cores = available_cores()
     repeats = b.repeats or (1 if b.quick else 3)
     seconds, total, iters = (4, 8_000, 10) if b.quick else (15, 40_000, 60)
     starts = total // 4
-    threads = {"default": fast_sac.default_learner_threads(1), "shared": cores}
+    threads = {"default": default_learner_threads(1), "shared": cores}
     rows: dict[str, list[float]] = {"bare_env_steps_per_s": [], "bare_policy_env_steps_per_s": []}
     obs_dim, act_dim, low, high = fast_sac.env_dims(env_id)
     actor = fast_sac.make_actor(args, obs_dim, act_dim, low, high)

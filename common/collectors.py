@@ -23,14 +23,17 @@ DESIGN.md (next to the scripts) explains the schedule and the snapshot timing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,11 +51,94 @@ from common.control import (
     WEIGHT_WAIT_S,
     Control,
 )
-from common.replay import ReplayBuffer
+from common.replay import Mirror, ReplayBuffer, batch_nbytes
+from common.shm import check_shm_space
 from common.trace import NO_RING_WRITER
 from common.weights import WeightSync
 
 TRACE_RING = 16384  # --trace: records per collector's ring (the learner drains it each iteration)
+
+
+class ArgsError(ValueError):
+    """Bad command-line input, reported before any process starts."""
+
+
+# ---------------------------------------------------------------------------------------
+# sizing the processes and the shared memory to the machine (before anything starts)
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def default_num_collectors(device: str, num_envs: int) -> int:
+    """Collector processes per node. Every GPU learner rank needs about one core to feed
+    its GPU, so the others step envs (one collector per 4 envs at most: fewer envs per
+    process batch the actor's inference poorly). A CPU learner is the bottleneck of the CPU
+    recipe, so it keeps 3/4 of the cores, and on up to 4 cores one collector shares them."""
+    cores = available_cores()
+    if device == "cuda":
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (torchrun's ranks per node)
+        return max(1, min(cores - 1 - ranks, num_envs // 4))
+    return max(1, min(cores // 4, num_envs // 4)) if cores > 4 else 1
+
+
+def default_learner_threads(num_collectors: int) -> int:
+    """The cores the collectors leave free (each collector runs one thread), so that nobody
+    shares a core: on 2 cores a second learner thread that shares the collector's core
+    gains no updates/s inside a run and slows the collector by about 13% (docs/performance.md)."""
+    return max(1, available_cores() - num_collectors)
+
+
+def check_sizes(args, obs_dim: int, act_dim: int, shm: bool = True) -> None:
+    """Raise ArgsError unless the replay buffer can serve a sample, fits in /dev/shm (and,
+    with --replay-mirror on CUDA, in the GPU), and --save-replay's files fit on the disk.
+    (shm=False: no memory checks, for callers that create no buffers.)"""
+    capacity = args.buffer_size // args.num_envs
+    chunk = args.steps_per_iter * async_window_chunks(args)
+    usable = (capacity - chunk - args.n_step + 1) * args.num_envs
+    if capacity < 2 * chunk + args.n_step:
+        raise ArgsError(f"--buffer-size {args.buffer_size} gives {capacity} rows per env, too "
+                        f"few for --steps-per-iter {args.steps_per_iter}; raise --buffer-size")
+    if args.batch_size > usable:
+        raise ArgsError(f"--batch-size {args.batch_size} is larger than the {usable} transitions "
+                        f"the buffer can offer for sampling; raise --buffer-size (now "
+                        f"{args.buffer_size}) or lower --batch-size")
+    nbytes = ReplayBuffer.nbytes(args.num_envs, capacity, obs_dim, act_dim)
+    try:  # (a default Docker container has only 64 MiB of /dev/shm)
+        if shm:
+            check_shm_space(nbytes, "The replay buffer")
+    except MemoryError as e:
+        raise ArgsError(str(e)) from None
+    if shm and args.replay_mirror and args.device == "cuda":
+        check_mirror_fits(args, obs_dim, act_dim)
+    if args.save_replay:  # the kept files and the one being written; without
+        # --save-interval, the one that a signal's checkpoint writes
+        files = args.keep_checkpoints + 1 if args.save_interval else 1
+        where = Path(args.run_dir or "runs").absolute()
+        while not where.exists():
+            where = where.parent
+        need, free = files * nbytes, shutil.disk_usage(where).free
+        why = (f"--keep-checkpoints {args.keep_checkpoints} and the one being written"
+               if args.save_interval else "the one a signal's checkpoint writes")
+        if need > free:
+            raise ArgsError(f"--save-replay needs {need / 2**30:.1f} GiB of disk for {files} "
+                            f"replay file(s) of {nbytes / 2**30:.2f} GiB ({why}) but {where} "
+                            f"has {free / 2**30:.1f} GiB free; lower --buffer-size or "
+                            "--keep-checkpoints, or free disk space")
+
+
+def check_mirror_fits(args, obs_dim: int, act_dim: int) -> None:
+    """--replay-mirror on CUDA: the mirror and two samples must fit in this process's GPU
+    (torchrun's local rank), next to what the networks need."""
+    mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
+    sample = batch_nbytes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
+    free = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    if mirror + 2 * sample > free:
+        raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "
+                        f"{2 * sample / 2**30:.1f} GiB for samples, but {free / 2**30:.1f} GiB "
+                        "are free; lower --buffer-size, or pass --replay-mirror False to "
+                        "sample on the host")
 
 # ---------------------------------------------------------------------------------------
 # the sync schedule (shared by both sides)
@@ -334,6 +420,8 @@ class Collectors:
         self.procs: list[mp.Process] = []
         self.num_chunks = num_chunks(args)
         self.restarts, self.wait_s, self.reward_terms = 0, 0.0, []
+        self.episodes_seen = [0] * ctrl.num
+        self.timing = np.zeros(4)  # the collectors' mean seconds by cause, read at close
 
     @classmethod
     def create(cls, name: str, args, run_dir: str, actor: torch.nn.Module, obs_dim: int,
@@ -381,15 +469,31 @@ class Collectors:
         self.reward_terms = reward_terms(make_env, self.args.env)
         self.procs = [self._spawn(i, start) for i, start in enumerate(starts)]
 
-    def resume_at(self, chunk: int, replay_file: str | None) -> None:
-        """Before `start`: the buffer holds the rows below `chunk` (loaded from `replay_file`,
-        else none) and every collector continues at `chunk`."""
-        S = self.args.steps_per_iter
-        if replay_file:
-            loaded = self.rb.load(replay_file)
-            assert loaded == chunk * S, "replay file and collector snapshot disagree"
-        self.rb.commit(slice(None), chunk * S)
-        self.ctrl.all_counters[:, CHUNKS_DONE] = chunk
+    def resume(self, ckpt: dict) -> tuple[list[dict], int | None]:
+        """Before `start`: continue from a checkpoint (common/checkpoints.py), whose learner
+        published weights version ckpt["version"] last. Every collector continues from its
+        snapshot, or without one starts fresh episodes at the chunk that uses those weights;
+        the buffer holds the rows below that chunk from the replay file, or none. Returns
+        the collectors' starts and, without a replay file, the env-local step below which
+        the buffer holds no data (else None)."""
+        S, self.restarts = self.args.steps_per_iter, ckpt["restarts"]
+        first = ckpt["version"] + (1 if self.args.sync_mode == "pipelined" else 0)
+        starts = ckpt["collector"] or [{"chunk": first, "restart": self.restarts + 1}
+                                       ] * self.ctrl.num
+        chunk = starts[0]["chunk"]
+        if self.owner:
+            if ckpt["replay"]:
+                loaded = self.rb.load(os.path.join(ckpt["dir"], ckpt["replay"]))
+                assert loaded == chunk * S, "replay file and collector snapshot disagree"
+            self.rb.commit(slice(None), chunk * S)
+            self.ctrl.all_counters[:, CHUNKS_DONE] = chunk
+        return starts, None if ckpt["replay"] else chunk * S
+
+    def new_episodes(self) -> np.ndarray:
+        """The episodes the collectors finished since the last call, one row each: return,
+        length, env step at its end, terminated (1) or truncated, reward terms' sums."""
+        self.episodes_seen, episodes = self.ctrl.all_episodes_since(self.episodes_seen)
+        return episodes
 
     def check(self) -> None:
         """Raise CollectorError for the first collector that failed or exited unfinished
@@ -444,6 +548,31 @@ class Collectors:
                     raise
                 self.restart(e)
 
+    def next_chunk(self, chunks: int, window: int, agree=None) -> tuple[int, int] | None:
+        """--prefetch: what the next iteration will train on (as `wait_for_chunk` returns
+        it), when it is already there, so that its sample can be gathered now (pipelined: it
+        is waited for; lockstep has none before the weights are published). None if not.
+        `agree(n)`: as in wait_for_chunk."""
+        ctrl, S = self.ctrl, self.args.steps_per_iter
+        nxt, nxt_window = ctrl.slowest(), window  # async: whatever is complete
+        if agree and self.args.sync_mode == "async":
+            nxt = agree(nxt)
+        if self.args.sync_mode == "pipelined":
+            nxt, nxt_window = chunks + 1, S if chunks + 1 < self.num_chunks else 0
+            with contextlib.suppress(CollectorError):  # (raised again by wait_for_chunk)
+                self.wait_until(lambda: ctrl.slowest() >= nxt)
+        if self.args.sync_mode == "lockstep" or ctrl.slowest() < nxt:
+            return None
+        if self.args.sync_mode == "async":
+            self.reading(nxt)
+        return nxt, nxt_window
+
+    def policy_lag(self, chunk: int, version: int) -> float | None:
+        """How many weight versions older than `version` the collectors' weights for `chunk`
+        were, on average (None where this run did not collect it: before a resume)."""
+        versions = self.ctrl.chunk_versions(chunk)
+        return version - float(versions.mean()) if (versions >= 0).all() else None
+
     def reading(self, chunks: int) -> None:
         """Async mode: the learner draws a sample from the rows of `chunks` chunks, so the
         collectors must not run more than the window past them (see async_window_chunks)."""
@@ -489,9 +618,14 @@ class Collectors:
                 out.append(pickle.load(f))
         return out
 
+    def drain_trace(self, trace) -> None:
+        """--trace: move the collectors' new timeline records into `trace` (common/trace.py)."""
+        trace.drain(self.ctrl, [proc.pid for proc in self.procs])
+
     def close(self) -> None:
         """Ask every collector to stop, then insist; once all are gone, remove the shared
         memory (owner) and the snapshot files."""
+        self.timing = self.ctrl.mean_timing().copy()
         if self.owner:
             self.ctrl.stop_all()
         for proc in self.procs:
@@ -525,3 +659,30 @@ def _stop(proc: mp.Process) -> None:
     if proc.exitcode is None:
         proc.kill()
         proc.join()
+
+
+# ---------------------------------------------------------------------------------------
+# signals
+
+
+class StopRequest:
+    """The learner's SIGINT and SIGTERM (collectors ignore both): the first asks for a stop
+    after a complete checkpoint at the next iteration; a second one aborts at once
+    (KeyboardInterrupt), except a SIGTERM after a SIGTERM: on a cluster the same notice
+    comes from the scheduler and again from a launcher that forwards it (torchrun), and the
+    checkpoint it asks for is already under way."""
+
+    def __init__(self):
+        self.signum, self.t = None, 0.0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum is None:
+            self.signum, self.t = signum, time.perf_counter()
+        elif not signum == self.signum == signal.SIGTERM:
+            raise KeyboardInterrupt(f"second signal {signum}")
+
+
+class Interrupted(Exception):
+    """Stopped by a signal after the checkpoint it asked for."""

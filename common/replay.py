@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import zipfile
 
 import numpy as np
 import torch
 
 from common.shm import SharedArrays, nbytes_of
+from common.trace import NO_TIMELINE
 
 FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated", "dones")
 
@@ -243,13 +245,15 @@ class Sampler:
     The rows are gathered on the host into one of two sets of buffers, in turns. With
     `pinned` on CUDA they are pinned and copied on a side stream without blocking: the copy
     runs while the training already queued on the learner's stream runs, instead of queueing
-    behind it, and that stream waits for the copy only where the batch is used.
+    behind it, and that stream waits for the copy only where the batch is used. `seconds`
+    sums the time spent here; `timeline` (--trace) records it as the learner's phases.
     """
 
     def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
-                 n_step: int, gamma: float, pinned: bool = False):
+                 n_step: int, gamma: float, pinned: bool = False, timeline=NO_TIMELINE):
         self.rb, self.rng, self.device = rb, rng, device
         self.rows, self.n_step, self.gamma = rows, n_step, gamma
+        self.timeline, self.seconds = timeline, 0.0
         pinned = pinned and device.type == "cuda"
         self.buffers = sample_buffers(rows, rb.obs.shape[-1], rb.actions.shape[-1], "cpu",
                                       pinned)
@@ -261,6 +265,13 @@ class Sampler:
 
     def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
+        t0, mark = time.perf_counter(), self.timeline.now()
+        batch = self._gather(written, window, floor)
+        self.timeline.phase("learner/gather", mark)
+        self.seconds += time.perf_counter() - t0
+        return batch
+
+    def _gather(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         buffers, copied = self.buffers[self.turn], self.copied[self.turn]
         self.turn ^= 1
         if copied is not None:
@@ -297,9 +308,10 @@ class Mirror:
     """
 
     def __init__(self, rb: ReplayBuffer, rng: np.random.Generator, device, rows: int,
-                 n_step: int, gamma: float):
+                 n_step: int, gamma: float, timeline=NO_TIMELINE):
         self.rb, self.rng, self.device = rb, rng, device
         self.rows, self.n_step = rows, n_step
+        self.timeline, self.seconds = timeline, 0.0  # (as Sampler's)
         self.gamma_pow = powers(gamma, n_step).to(device)
         self.fields = {k: torch.zeros(getattr(rb, k).shape, device=device) for k in FIELDS}
         self.flat = {k: v.flatten(0, 1) for k, v in self.fields.items()}  # (views)
@@ -357,8 +369,10 @@ class Mirror:
     def __call__(self, written: int, window: int, floor: int) -> dict[str, torch.Tensor]:
         """A sample from env-local steps below `written` (see ReplayBuffer.sample)."""
         # the draw first: it needs only the host, so it never waits behind the copies
+        t0, mark = time.perf_counter(), self.timeline.now()
         flat = self.rb.draw(self.rng, self.rows, self.n_step, written, window, floor)
         self.update(written, window, floor)
+        mark = self.timeline.phase("learner/mirror_copy", mark)
         flat = self._to_device(flat)
         rewards, discounts, last = nstep(flat, self.flat, self.gamma_pow)
         batch = self.buffers[self.turn]
@@ -367,4 +381,6 @@ class Mirror:
             torch.index_select(self.flat[key], 0, rows, out=batch[key])
         batch["rewards"].copy_(rewards)
         batch["discounts"].copy_(discounts)
+        self.timeline.phase("learner/gather", mark)
+        self.seconds += time.perf_counter() - t0
         return batch

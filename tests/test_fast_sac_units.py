@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fast_sac as fs
-from common.collectors import collector_main, env_slice
+from common.collectors import check_mirror_fits, collector_main, env_slice
 from common.control import FINISHED, Control
 from common.replay import ReplayBuffer
 from common.weights import WeightSync
@@ -314,7 +314,7 @@ def test_compile_warm_up_leaves_no_trace():
     learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
                          torch.device("cpu"))
     before, rng = copy.deepcopy(learner.state_dict()), torch.get_rng_state()
-    fs.warm_up(learner, 3, 1)
+    fs.warm_up(learner)
     after = learner.state_dict()
     assert torch.equal(torch.get_rng_state(), rng) and after["num_updates"] == 0
     for key in ("actor", "critics", "critics_target"):
@@ -330,9 +330,9 @@ def test_replay_mirror_that_does_not_fit_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: (2 * 2**30, 80 * 2**30))
     with pytest.raises(fs.ArgsError, match=r"needs 2\.7 GiB .* 0\.7 GiB for samples, but 2\.0 "
                        r"GiB are free.*--replay-mirror False"):
-        fs.check_mirror_fits(args, 348, 17)
+        check_mirror_fits(args, 348, 17)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: (4 * 2**30, 80 * 2**30))
-    fs.check_mirror_fits(args, 348, 17)  # fits
+    check_mirror_fits(args, 348, 17)  # fits
 
 
 def test_target_entropy_and_logged_entropy_are_per_dimension_in_the_box():

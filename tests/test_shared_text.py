@@ -10,8 +10,11 @@ from conftest import ROOT
 # top-level definitions that are the variant itself; everything else both scripts define
 # must be the same text
 VARIANT = {
-    "fast_td3.py": {"Args", "resolve_args", "Actor", "make_actor", "Explorer", "Learner"},
-    "fast_sac_multigpu.py": {"Args", "default_num_collectors", "Learner", "train", "Training",
+    "fast_td3.py": {"Args", "resolve_args", "check_args", "Actor", "make_actor", "Explorer",
+                    "Learner"},
+    "fast_sac_multigpu.py": {"Args", "Learner", "train", "Run", "start_collectors",
+                             "fold_in_new_rows", "log_iteration", "timers", "replay_ratio",
+                             "evaluate_policy", "finish_run", "write_trace", "save_checkpoint",
                              "restore", "main"},
 }
 

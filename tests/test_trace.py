@@ -100,11 +100,10 @@ def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
 
 
 def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
-    """--trace-events caps every track; what is kept is the run's start and its end. Also
-    --profile-iters writes torch.profiler's trace."""
+    """--trace-events caps every track; what is kept is the run's start and its end."""
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "2000", "--trace",
-                     "--trace-events", "300", "--profile-iters", "2:4", "--run-dir", run_dir)
+                     "--trace-events", "300", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     data, events, names = load_trace(os.path.join(run_dir, "trace.json"))
     per_pid = defaultdict(int)
@@ -117,9 +116,6 @@ def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
     chunks = [e["args"]["chunks"] for e in slices(events, learner, "learner/replay_sample")]
     assert chunks[0] == 10 and chunks[-1] == 100  # the first training iteration and the last
     assert len(chunks) < 90  # (and not all of those between)
-    with open(os.path.join(run_dir, "profile.json")) as f:
-        profile = json.load(f)
-    assert any("aten::" in str(e.get("name", "")) for e in profile["traceEvents"])
     # read without a browser: the table and a PNG
     png = str(tmp_path / "timeline.png")
     res = run_script(os.path.join("benchmarks", "trace_report.py"),
