@@ -177,11 +177,11 @@ class Args:
     """torch threads of the learner on a CPU (None: the cores the collectors leave free)"""
 
 
-# Support [v_min, v_max] of the C51 critics per env family. It must cover the discounted
-# returns the task can produce, about reward_per_step / (1 - gamma): with 1000-step episodes
-# and gamma 0.99 a tenth of the episode return. v_max leaves room above the best published
-# returns (HalfCheetah 15-17k, Humanoid 10-12k, Ant and Walker2d 6-8k, Hopper 4k) and the
-# entropy bonus, so that the projection does not clamp the values of good actions.
+# Support [v_min, v_max] of the C51 critics per env family: the discounted returns, about
+# reward_per_step / (1 - gamma) (with 1000-step episodes and gamma 0.99 a tenth of the
+# episode return), with room above the best published returns (HalfCheetah 15-17k, Humanoid
+# 10-12k, Ant and Walker2d 6-8k, Hopper 4k) and the entropy bonus, so that the projection
+# does not clamp the values of good actions.
 VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
@@ -342,6 +342,8 @@ class Critics(nn.Module):
 
     def __init__(self, obs_dim, act_dim, hidden, num_atoms, v_min, v_max, k: int = 2):
         super().__init__()
+        if v_min is None:  # (a stand-in until ReturnRange sets the support)
+            v_min, v_max = -1.0, 1.0
         self.k = k
         sizes = [obs_dim + act_dim, hidden, hidden // 2, hidden // 4]
         layers = []
@@ -388,11 +390,6 @@ def project(probs, rewards, discounts, support) -> torch.Tensor:
     out.scatter_add_(1, lo, probs * (hi.to(b.dtype) - b))
     out.scatter_add_(1, hi, probs * (b - lo.to(b.dtype)))
     return out
-
-
-def initial_support(args: Args) -> tuple[float, float]:
-    """[--v-min, --v-max]; without them, a stand-in until ReturnRange sets the support."""
-    return (args.v_min, args.v_max) if args.v_min is not None else (-1.0, 1.0)
 
 
 class ReturnRange:
@@ -488,9 +485,9 @@ class Learner:
         self.args, self.device = args, device
         self.actor = make_actor(args, obs_dim, act_dim, low, high).to(device)
         self.critics = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
-                               *initial_support(args)).to(device)
+                               args.v_min, args.v_max).to(device)
         self.critics_target = Critics(obs_dim, act_dim, args.critic_hidden, args.num_atoms,
-                                      *initial_support(args)).to(device)
+                                      args.v_min, args.v_max).to(device)
         self.critics_target.load_state_dict(self.critics.state_dict())
         self.critics_target.requires_grad_(False)
         self.log_alpha = torch.tensor(math.log(args.alpha_init), device=device,

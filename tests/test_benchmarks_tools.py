@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 from conftest import SMALL, run_script
 
 # SMALL without the flags that curves.py sets itself
@@ -14,6 +15,7 @@ def png(path) -> bool:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_plot_tag_draws_training_returns_and_names_missing_tags(tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--run-dir", run_dir)
@@ -28,6 +30,7 @@ def test_plot_tag_draws_training_returns_and_names_missing_tags(tmp_path, no_shm
     assert "charts/episodic_return" in res.stderr  # it lists the tags it has
 
 
+@pytest.mark.slow
 def test_curves_sweep_tabulates_reuses_and_reruns_on_new_arguments(tmp_path, no_shm_leak):
     out = str(tmp_path / "curves")
     sweep = [os.path.join("benchmarks", "curves.py"), "--scripts", "fast_sac", "--envs",

@@ -131,7 +131,7 @@ def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
     assert (vr.lo, vr.hi) == (-2.0, 6.0)
     assert np.allclose(vr.g, [-2.0, -1.75])
     assert vr.support() == (-2.0 - 8 / 4, 6.0 + 8 / 2)
-    critics = fs.Critics(3, 1, 16, 11, *fs.initial_support(args))
+    critics = fs.Critics(3, 1, 16, 11, args.v_min, args.v_max)
     critics.set_support(*vr.changed_support())
     assert torch.allclose(critics.support, torch.linspace(-4.0, 10.0, 11))
     # handed to the critics once: rows inside the range change nothing to hand over again
@@ -271,6 +271,7 @@ def _three_iterations(**flags):
     return {k: float(v) for k, v in metrics.items()}, learner
 
 
+@pytest.mark.slow
 def test_compiled_and_bf16_updates_agree_with_eager(monkeypatch):
     """--compile computes the same updates (inductor's random numbers replaced by eager's
     for the comparison); --amp stays close to float32."""

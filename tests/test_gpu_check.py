@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_shm_leak):
     out = tmp_path / "out"
     res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"],

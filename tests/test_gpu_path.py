@@ -48,6 +48,7 @@ def test_mirror_copies_episode_ends_marked_after_commit(no_shm_leak):
         rb.unlink()
 
 
+@pytest.mark.slow
 def test_mirror_batches_equal_host_batches_after_a_collector_restart(tmp_path, no_shm_leak):
     """Real collectors in lockstep, one killed and restarted by Collectors: the restart marks
     the dead collector's last committed row, which the mirror already holds, as an episode
@@ -138,6 +139,7 @@ def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
     assert metrics["actor_loss"] == pytest.approx(actor_loss.item())
 
 
+@pytest.mark.slow
 def test_two_ranks_async_agree_on_progress_and_stop_in_one_allreduce(tmp_path, no_shm_leak):
     """Async mode under torchrun (gloo): progress and the stop flag are agreed on in one
     all-reduce at the top of the loop, the prefetch's progress in another; the ranks stay

@@ -7,7 +7,9 @@ import pytest
 from conftest import run_script
 
 
-@pytest.mark.parametrize("script", ["fast_sac.py", "fast_td3.py"])
+# (fast_td3.py's in the full suite only: the quick tier's learning check is fast_sac.py's)
+@pytest.mark.parametrize("script", ["fast_sac.py",
+                                    pytest.param("fast_td3.py", marks=pytest.mark.slow)])
 def test_pendulum_learns(script, tmp_path, no_shm_leak):
     """A higher update-to-data ratio than the CPU recipe's and narrow networks (this tests
     learning, not the recipe). Lockstep runs are bit-exact on one CPU model only, so the
@@ -27,6 +29,7 @@ def test_pendulum_learns(script, tmp_path, no_shm_leak):
     assert summary["final_eval_return"] > -500, summary
 
 
+@pytest.mark.slow
 def test_inverted_pendulum_learns_in_pipelined_mode(tmp_path, no_shm_leak):
     """A MuJoCo task, pipelined (the collector one weights version behind): the pole stays up.
     Holding still keeps it up for about 24 steps and random actions for 6; balanced, an
@@ -47,6 +50,7 @@ def test_inverted_pendulum_learns_in_pipelined_mode(tmp_path, no_shm_leak):
     assert summary["sync_mode"] == "pipelined" and summary["final_eval_return"] > 500, summary
 
 
+@pytest.mark.slow
 def test_pendulum_learns_under_torchrun_with_two_ranks(tmp_path, no_shm_leak):
     """The distributed update (gradients averaged over two gloo ranks, each sampling its own
     mini-batches) learns the swing-up as one process does (narrow networks, to keep it short;

@@ -46,6 +46,7 @@ def check_learner_metrics(tags, summary, support=(-1700, 0), batch_size=32):
     assert "perf/sample_time" in tags and "perf/wait_time" in tags
 
 
+@pytest.mark.slow
 def test_hopper_episodes_end_by_termination_and_report_reward_terms(tmp_path, no_shm_leak):
     tags, summary = run(tmp_path, "fast_sac.py", "--env", "Hopper-v5", "--sync-mode",
                         "lockstep")

@@ -24,6 +24,7 @@ def summary(run_dir):
         return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined"])
 def test_two_ranks_train_with_identical_parameters(mode, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
@@ -69,6 +70,7 @@ def two_nodes(run_dir, *flags, base=SMALL):
     return [p.returncode for p in procs], *zip(*outs)
 
 
+@pytest.mark.slow
 def test_two_nodes_each_with_own_collector(tmp_path, no_shm_leak):
     """--total-timesteps counts both nodes' env steps: each node collects half, and a
     --resume auto past the halfway point continues to the new total. On Reacher, which
@@ -149,6 +151,7 @@ def descendants(root):
     return out
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_every_process(tmp_path):
     before = shm_files()
     run_dir = str(tmp_path / "run")
@@ -176,6 +179,7 @@ def test_killed_rank_stops_every_process(tmp_path):
     assert_all_gone(tree, before)
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm_leak):
     """Two ranks sharing two collectors (one env each); a resume continues exactly."""
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
@@ -194,6 +198,7 @@ def test_two_ranks_resume_with_replay_matches_uninterrupted_run(tmp_path, no_shm
     assert a["rank_param_hashes"] == b["rank_param_hashes"]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_every_rank_at_the_same_step(tmp_path):
     """A diverging update rule under two gloo ranks: both ranks stop at the same env step
     with the diverged status (no rank waits for the other in a collective), and nothing is

@@ -25,6 +25,8 @@ from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pi
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary
 
+pytestmark = pytest.mark.slow  # (every test here runs and signals real jobs)
+
 EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
          "--save-replay"]
 

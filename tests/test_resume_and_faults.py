@@ -31,6 +31,7 @@ def assert_same_params(a, b):
     ("fast_sac.py", "pipelined", "Reacher-v5", 1),
     ("fast_td3.py", "lockstep", "InvertedPendulum-v5", 2),
 ])
+@pytest.mark.slow
 def test_resume_with_replay_matches_uninterrupted_run(script, mode, env, collectors, tmp_path,
                                                       no_shm_leak):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
@@ -53,6 +54,7 @@ def test_resume_with_replay_matches_uninterrupted_run(script, mode, env, collect
                                                                   b["value_range"]["hi"])
 
 
+@pytest.mark.slow
 def test_incompatible_resume_is_refused(tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
@@ -68,6 +70,7 @@ def test_incompatible_resume_is_refused(tmp_path, no_shm_leak):
 ALL = ["fast_sac.py", "fast_td3.py", "fast_sac_multigpu.py"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ALL)
 def test_quiet_run_then_eval_only_prints_mean_and_std(script, tmp_path, no_shm_leak):
     """--quiet prints no progress lines, only the final evaluation; --eval-only on the saved
@@ -88,6 +91,7 @@ def test_quiet_run_then_eval_only_prints_mean_and_std(script, tmp_path, no_shm_l
     assert float(m.group(1)) == round(final, 1) and float(m.group(2)) >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, collectors", [("fast_sac.py", 1), ("fast_sac.py", 3),
                                                  ("fast_sac_multigpu.py", 1)])
 def test_restart_collector_carries_on(script, collectors, tmp_path, no_shm_leak):
@@ -115,7 +119,8 @@ def test_restart_collector_carries_on(script, collectors, tmp_path, no_shm_leak)
     assert s["status"] == "interrupted" and s["collector_restarts"] == 1
 
 
-@pytest.mark.parametrize("script", ALL)
+@pytest.mark.parametrize("script", [ALL[0], *(pytest.param(s, marks=pytest.mark.slow)
+                                              for s in ALL[1:])])
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(script, tmp_path, no_shm_leak):
     """Updates start after the first checkpoint (at 200 env steps) and diverge at once: that
     checkpoint stays, finite, and nothing is written from the diverged state."""
@@ -149,6 +154,7 @@ def can_render() -> str | None:
     return None if res.returncode == 0 else res.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_capture_video_writes_files(tmp_path, no_shm_leak):
     reason = can_render()
     if reason:
@@ -163,6 +169,7 @@ def test_capture_video_writes_files(tmp_path, no_shm_leak):
     assert all(os.path.getsize(run_dir / "videos" / v) > 1000 for v in videos)
 
 
+@pytest.mark.slow
 def test_plot_draws_curves(tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--run-dir", run_dir)
@@ -174,6 +181,7 @@ def test_plot_draws_curves(tmp_path, no_shm_leak):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
     """On a terminal the run shows a tqdm bar with env steps, rates, return and ETA."""
     import pty
@@ -213,6 +221,7 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
     assert "<" in text  # tqdm's elapsed<remaining (ETA)
 
 
+@pytest.mark.slow
 def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_leak):
     """A checkpoint from a GPU machine (device, compile, bf16, prefetch), with optimizers
     saved by a version that used foreach kernels, resumed on this CPU machine runs with this
@@ -238,6 +247,7 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
         assert all(g["fused"] and not g["foreach"] for g in resumed[opt]["param_groups"])
 
 
+@pytest.mark.slow
 def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_path,
                                                                            no_shm_leak):
     """A run saved with --quiet, --save-interval 200 and --log-interval 1, resumed with

@@ -49,12 +49,13 @@ SCRIPTS = ["fast_sac.py", "fast_td3.py"]
 ALL_SCRIPTS = [*SCRIPTS, "fast_sac_multigpu.py"]
 # fault handling: fast_td3.py's plumbing is fast_sac.py's text (test_shared_text holds it
 # so), while fast_sac_multigpu.py's training loop is its own; run as one process it needs
-# no torchrun
-FAULT_SCRIPTS = ["fast_sac.py", "fast_sac_multigpu.py"]
+# no torchrun (the quick tier runs fast_sac.py's, the full suite both)
+FAULT_SCRIPTS = ["fast_sac.py", pytest.param("fast_sac_multigpu.py", marks=pytest.mark.slow)]
 
 
 # (fast_td3.py's data path, the replay mirror and --prefetch included, is fast_sac.py's
 # text: each mode once suffices)
+@pytest.mark.slow
 @pytest.mark.parametrize("script, mode", [("fast_sac.py", "lockstep"),
                                           ("fast_td3.py", "pipelined")])
 def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_leak):
@@ -78,6 +79,7 @@ def test_same_seed_gives_identical_parameters(script, mode, tmp_path, no_shm_lea
             assert torch.equal(a[net][key], b[net][key]), f"{net}.{key} differs between runs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["fast_sac.py"])  # (the collectors' plumbing is shared)
 def test_several_collectors_are_deterministic_and_cover_every_env(script, tmp_path,
                                                                   no_shm_leak):
@@ -101,6 +103,7 @@ def test_several_collectors_are_deterministic_and_cover_every_env(script, tmp_pa
     assert check_run_dir(run_dir, "async", script)["global_step"] >= 2000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_async_mode_trains_and_logs_update_ratio(script, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
@@ -195,8 +198,9 @@ def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_lea
     assert wait_gone(collector, 20)
 
 
-@pytest.mark.parametrize("script, collectors", [(s, 1) for s in FAULT_SCRIPTS]
-                         + [("fast_sac.py", 2)])
+@pytest.mark.parametrize("script, collectors", [
+    ("fast_sac.py", 1), pytest.param("fast_sac_multigpu.py", 1, marks=pytest.mark.slow),
+    pytest.param("fast_sac.py", 2, marks=pytest.mark.slow)])
 def test_learner_killed_collector_exits_and_removes_memory(script, collectors, tmp_path):
     before = shm_files()
     proc, _ = start_run(tmp_path, script, "--num-envs", "2", "--num-collectors",
@@ -209,6 +213,7 @@ def test_learner_killed_collector_exits_and_removes_memory(script, collectors, t
     assert_all_gone(kids, before)  # no collector outlives its learner
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_fast_path_flags_train_on_cpu(script, tmp_path, no_shm_leak):
     """The GPU fast path's code (compiled losses, bf16 autocast, prefetching) also runs on
@@ -221,6 +226,7 @@ def test_fast_path_flags_train_on_cpu(script, tmp_path, no_shm_leak):
     assert ckpt["args"]["compile"] and ckpt["args"]["amp"] and ckpt["args"]["prefetch"]
 
 
+@pytest.mark.slow
 def test_compile_failure_stops_before_anything_starts(tmp_path, no_shm_leak):
     """--compile fails in its warm-up update, before the collectors, the shared memory or
     the run dir exist, naming the way out. The failure is real: inductor is given no

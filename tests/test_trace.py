@@ -57,6 +57,7 @@ def assert_nested_or_apart(events):
             open_ends.append(end)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lockstep", "pipelined", "async"])
 def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
@@ -99,6 +100,7 @@ def test_trace_has_every_process_on_one_clock(mode, tmp_path, no_shm_leak):
         assert not overlap, overlap[:3]
 
 
+@pytest.mark.slow
 def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
     """--trace-events caps every track; what is kept is the run's start and its end."""
     run_dir = str(tmp_path / "run")
@@ -128,6 +130,7 @@ def test_trace_is_bounded_and_keeps_both_ends(tmp_path, no_shm_leak):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_no_trace_without_the_flag(tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "400", "--run-dir", run_dir)
@@ -177,6 +180,7 @@ def test_timeline_keeps_first_and_newest():
         assert NO_TIMELINE.phase("z", NO_TIMELINE.now()) == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_each_write_a_trace_on_the_same_clock(tmp_path, no_shm_leak):
     import subprocess
     import sys
