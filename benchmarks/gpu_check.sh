@@ -11,7 +11,9 @@
 # Steps, most decisive first; each writes its results as it goes, so a step stopped by its
 # time limit keeps what it finished, and the steps' limits add up to less than the budget:
 #   machine            GPU, driver, packages, /dev/shm and GPU memory; sizes the buffers
-#   learner_speed      updates/s: eager, bf16, compile, CUDA graphs (the GPU recipe's shapes)
+#   learner_speed      updates/s: eager, bf16, compile, CUDA graphs (the GPU recipe's shapes),
+#                      each with the FLOPs of an update, the GPU's matmul peak in its dtype
+#                      and the fraction of that limit the learner reaches
 #   fast_sac           one end-to-end Humanoid-v5 run with the CUDA defaults
 #   multigpu           torchrun, one rank: NCCL init, broadcast, all-reduce, barriers, exit
 #   fast_td3           a short fast_td3.py run

@@ -19,10 +19,25 @@ Prints a table (median of --repeats timings) and writes JSON, rewritten after ev
 run stopped by a time limit keeps the rows it finished. With --interleave the modes of one
 shape are timed in turn, one timing each per repeat, so that a slow spell of a shared
 machine costs them alike (their rows are written once all repeats are done).
+
+How far from the machine's limit: each row also gives the matmul FLOPs of one update
+(counted by torch.utils.flop_counter over an eager iteration of the same shapes, divided by
+its updates), the machine's matmul peak in the row's dtype (bf16 where the mode uses
+autocast, else float32), measured in the same run on the same threads (the best of a few
+shapes, the learner's own among them), and the fraction of the limit the learner reaches:
+updates/s / (peak / FLOPs per update).
+
+    python benchmarks/learner_speed.py --device cpu --batch-sizes 256 --hidden 256 \
+        --threads 1 --modes eager compile-amp --profile prof   # where an update's time goes
+
+--profile DIR: torch.profiler over one timing of each setting; its Chrome trace goes to DIR
+and the busiest operators (self time) are printed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -70,36 +85,37 @@ class Bench:
     interleave: bool = False
     """time the modes of one shape in turn, one timing each per repeat (fair ratios on a
     shared machine), instead of one mode after another"""
+    profile: str | None = None
+    """write a torch.profiler trace of one timing of each setting to this folder and print
+    the operators that take the most time"""
     recipe: bool = False
     """time only the script's own defaults for --device (its recipe's batch, updates per
     iteration and widths, its fast-path flags): the isolated rate that a run's in-run
     updates/s is compared with (learner_efficiency)"""
 
 
-def prepare_setting(b: Bench, hidden: int, batch: int, mode: str):
-    cuda = b.device == "cuda"
-    flags = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
-             "compile": dict(compile=True, amp=cuda),
-             "compile-amp": dict(compile=True, amp=True), "cudagraphs": dict(
-                 compile=True, amp=cuda, cudagraphs=True)}[mode]
+MODES = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
+         "compile": dict(compile=True, amp=None), "compile-amp": dict(compile=True, amp=True),
+         "cudagraphs": dict(compile=True, amp=None, cudagraphs=True)}  # (None: on with CUDA)
+
+
+def setting_args(b: Bench, hidden: int, batch: int, mode: str):
     script = importlib.import_module(b.script)
-    return prepare_learner(b, script.resolve_args(script.Args(
+    flags = {k: (b.device == "cuda" if v is None else v) for k, v in MODES[mode].items()}
+    return script.resolve_args(script.Args(
         env=b.env, device=b.device, batch_size=batch, updates_per_iter=b.updates_per_iter,
         actor_hidden=hidden, critic_hidden=b.critic_hidden or hidden,
         buffer_size=max(1_000_000, 2 * batch),
-        prefetch=False, **flags), check_shm=False))  # (no replay buffer is created here)
+        prefetch=False, **flags), check_shm=False)  # (no replay buffer is created here)
 
 
-def prepare_learner(b: Bench, args):
-    """`args`'s learner after its warm-up iterations, as a function that times --iterations
-    iterations and returns their updates/s."""
-    cuda = b.device == "cuda"
+def make_learner(b: Bench, args):
+    """`args`'s learner and a batch of random data for one iteration, on the device."""
     script = importlib.import_module(b.script)
     obs_dim, act_dim, low, high = script.env_dims(args.env)
     device = torch.device(b.device)
     learner = script.Learner(args, obs_dim, act_dim, low, high, device)
-    batch = args.batch_size
-    n = batch * args.updates_per_iter
+    n = args.batch_size * args.updates_per_iter
     g = torch.Generator(device=device).manual_seed(0)
     batch_data = {
         "obs": torch.randn(n, obs_dim, device=device, generator=g),
@@ -108,6 +124,15 @@ def prepare_learner(b: Bench, args):
         "rewards": torch.randn(n, device=device, generator=g),
         "discounts": torch.full((n,), 0.97, device=device),
     }
+    return learner, batch_data
+
+
+def prepare_learner(b: Bench, args, profile_name: str | None = None):
+    """`args`'s learner after its warm-up iterations, as a function that times --iterations
+    iterations and returns their updates/s (the first timing under torch.profiler, with
+    --profile)."""
+    cuda = b.device == "cuda"
+    learner, batch_data = make_learner(b, args)
 
     def sync():
         if cuda:
@@ -116,15 +141,78 @@ def prepare_learner(b: Bench, args):
     for _ in range(b.warmup):
         learner.train_iteration(batch_data)
     sync()
+    todo = [profile_name] if b.profile and profile_name else []
 
     def timed() -> float:
-        t0 = time.perf_counter()
-        for _ in range(b.iterations):
-            metrics = learner.train_iteration(batch_data)
-        sync()
+        prof = profiler(b) if todo else contextlib.nullcontext()
+        with prof:
+            t0 = time.perf_counter()
+            for _ in range(b.iterations):
+                metrics = learner.train_iteration(batch_data)
+            sync()
+            seconds = time.perf_counter() - t0
+        if todo:
+            report_profile(b, prof, todo.pop(), b.iterations * args.updates_per_iter)
         assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
-        return b.iterations * args.updates_per_iter / (time.perf_counter() - t0)
+        return b.iterations * args.updates_per_iter / seconds
     return timed
+
+
+def profiler(b: Bench):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if b.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def report_profile(b: Bench, prof, name: str, updates: int) -> None:
+    """The trace to --profile/NAME.json, and the operators with the most self time, per
+    update."""
+    os.makedirs(b.profile, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(b.profile, f"{name}.json"))
+    key = "self_cuda_time_total" if b.device == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in rows)
+    print(f"-- {name}: {total / updates / 1e3:.2f} ms of operator self time per update")
+    for e in rows[:15]:
+        print(f"   {getattr(e, key) / updates / 1e3:7.3f} ms  {100 * getattr(e, key) / total:5.1f}%"
+              f"  x{e.count / updates:5.1f}  {e.key}")
+
+
+def flops_per_update(b: Bench, args) -> float:
+    """Matmul FLOPs of one update: torch's flop counter over one eager iteration of `args`'s
+    shapes (the same arithmetic as every mode), divided by its updates."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    eager = dataclasses.replace(args, compile=False, amp=False, cudagraphs=False)
+    learner, batch_data = make_learner(b, eager)
+    with FlopCounterMode(display=False) as counter:
+        learner.train_iteration(batch_data)
+    return counter.get_total_flops() / args.updates_per_iter
+
+
+def matmul_peak(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> dict:
+    """GFLOP/s of plain matmuls (m x k times k x n) on this device and these threads: the
+    best of `shapes` is the peak."""
+    out = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(k, n, device=device).to(dtype)
+        reps = max(5, int(2e9 / (2 * m * k * n)))
+        best = 0.0
+        for _ in range(3):  # (the best of three timings of `reps` matmuls)
+            for _ in range(2):
+                a @ w
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ w
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+        out[f"{m}x{k}x{n}"] = round(best, 1)
+    return out
 
 
 def main(b: Bench) -> None:
@@ -145,23 +233,40 @@ def main(b: Bench) -> None:
         return
     rows = []
     device_name = torch.cuda.get_device_name() if b.device == "cuda" else "cpu"
+    peaks = {}  # (threads, dtype, hidden, batch) -> GFLOP/s of each shape
 
     def write():
         with open(b.out, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
                        "rows": rows}, f, indent=2)
 
-    def report(hidden, batch, mode, runs):
+    def report(hidden, batch, mode, runs, flops):
+        bf16 = MODES[mode]["amp"] is not False and (MODES[mode]["amp"] or b.device == "cuda")
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        key = (torch.get_num_threads(), dtype, hidden, batch)
+        if key not in peaks:  # the learner's first layers, and a large square one
+            obs_act = sum(importlib.import_module(b.script).env_dims(b.env)[:2])
+            square = 4096 if b.device == "cuda" else 1024  # (a GPU needs more to fill it)
+            peaks[key] = matmul_peak(b.device, dtype, [(square, square, square),
+                                                       (batch, obs_act, hidden),
+                                                       (batch, hidden, hidden // 2)])
+        peak = max(peaks[key].values())
         row = (dict(updates_per_s=float(np.median(runs)), runs=runs) if isinstance(runs, list)
                else dict(updates_per_s=None, error=runs))
+        limit = peak * 1e9 / flops  # updates/s if only the matmuls took time, at the peak
         rows.append(dict(threads=torch.get_num_threads(), hidden=hidden,
                          critic_hidden=b.critic_hidden or hidden, batch=batch,
-                         updates_per_iter=b.updates_per_iter, mode=mode) | row)
+                         updates_per_iter=b.updates_per_iter, mode=mode) | row | dict(
+            gflop_per_update=round(flops / 1e9, 4), dtype=str(dtype).split(".")[-1],
+            matmul_gflops=peaks[key], limit_updates_per_s=round(limit, 1),
+            of_limit=row["updates_per_s"] and float(f"{row['updates_per_s'] / limit:.4g}")))
         write()
-        speed = (f"{row['updates_per_s']:10.1f}" if row["updates_per_s"]
-                 else "    failed " + row["error"])
+        speed = (f"{row['updates_per_s']:8.1f}" if row["updates_per_s"]
+                 else "  failed " + row["error"])
         print(f"threads {rows[-1]['threads']:2d} | hidden {hidden:4d} | batch {batch:5d} | "
-              f"{mode:11s} | updates/s {speed}", flush=True)
+              f"{mode:11s} | updates/s {speed} | {flops / 1e9:.3f} GFLOP/update | "
+              f"{rows[-1]['dtype']} peak {peak:6.1f} GFLOP/s | limit {limit:6.1f} | "
+              f"of limit {rows[-1]['of_limit']}", flush=True)
 
     for threads in b.threads:
         if threads:
@@ -169,13 +274,16 @@ def main(b: Bench) -> None:
         for hidden in b.hidden:
             for batch in b.batch_sizes:
                 modes = [m for m in b.modes if m != "cudagraphs" or b.device == "cuda"]
+                flops = flops_per_update(b, setting_args(b, hidden, batch, "eager"))
                 # one group of all modes with --interleave, else a group per mode (so that a
                 # mode's learner is gone before the next one's is built)
                 for group in [modes] if b.interleave else [[m] for m in modes]:
                     timers, rates = {}, {}
                     for mode in group:
                         try:
-                            timers[mode] = prepare_setting(b, hidden, batch, mode)
+                            name = f"{mode}_t{torch.get_num_threads()}_h{hidden}_b{batch}"
+                            timers[mode] = prepare_learner(
+                                b, setting_args(b, hidden, batch, mode), name)
                             rates[mode] = []
                         except Exception as e:  # report and go on: a failing mode is a result
                             rates[mode] = f"{type(e).__name__}: {e}"[:300]
@@ -187,7 +295,7 @@ def main(b: Bench) -> None:
                                 rates[mode] = f"{type(e).__name__}: {e}"[:300]
                                 del timers[mode]
                     for mode in group:
-                        report(hidden, batch, mode, rates[mode])
+                        report(hidden, batch, mode, rates[mode], flops)
 
 
 if __name__ == "__main__":

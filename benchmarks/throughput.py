@@ -154,9 +154,15 @@ def collectors_steps_per_s(env_id: str, k: int, envs_each: int, total_per_collec
     try:
         collectors.ws.publish(fast_sac.make_actor(args, obs_dim, act_dim, low, high), 0)
         collectors.start(fast_sac.make_env, fast_sac.Explorer, [None] * k)
-        collectors.wait_until(lambda: ctrl.slowest() >= 1)
+        # no learner samples here, so this loop moves the read position that async
+        # collectors keep within reach of (async_window_chunks) along with them: without
+        # it they would wait at the window's edge for a learner that is not there
+        def reached(condition):
+            collectors.wait_until(lambda: collectors.reading(ctrl.slowest()) or condition())
+
+        reached(lambda: ctrl.slowest() >= 1)
         t0, first = time.perf_counter(), int(ctrl.all_counters[:, CHUNKS_DONE].sum())
-        collectors.wait_until(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)))
+        reached(lambda: all(ctrl.row(i).state == FINISHED for i in range(k)))
         chunks = int(ctrl.all_counters[:, CHUNKS_DONE].sum()) - first
         return chunks * envs_each * args.steps_per_iter / (time.perf_counter() - t0)
     finally:

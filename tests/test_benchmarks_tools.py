@@ -49,3 +49,56 @@ def test_curves_sweep_tabulates_reuses_and_reruns_on_new_arguments(tmp_path, no_
     res = run_script(*sweep, f"--extra={extra} --seed 1")  # other arguments: it runs again
     assert res.returncode == 0 and "running it again" in res.stdout, res.stdout[-2000:]
     assert "reusing" not in res.stdout
+
+
+def test_collectors_without_a_learner_cross_the_async_window(tmp_path, no_shm_leak):
+    """throughput.py times async collectors with no learner: one collector of 4 envs collects
+    150 chunks of 8 steps into rings of 2048 rows, whose async window is 12 chunks. The
+    benchmark moves the learner's read position along, so the collector never waits at the
+    window's edge for a learner that is not there (it did, and the benchmark hung)."""
+    out = tmp_path / "scaling.json"
+    res = run_script(os.path.join("benchmarks", "throughput.py"), "--env", "Pendulum-v1",
+                     "--scaling-only", "--repeats", "1", "--collectors", "1", "--out", str(out),
+                     timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        assert json.load(f)["medians"]["collectors_1/steps_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_throughput_quick_path_finishes_with_every_figure(tmp_path, no_shm_leak):
+    """The whole --quick path (its collector-alone step crosses the async window too)."""
+    out = tmp_path / "throughput.json"
+    res = run_script(os.path.join("benchmarks", "throughput.py"), "--env", "Pendulum-v1",
+                     "--quick", "--out", str(out), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        result = json.load(f)
+    for key in ("collector_efficiency/default", "learner_efficiency/default", "overlap",
+                "collector_gap/plumbing"):
+        assert result[key] > 0, key
+
+
+def test_learner_speed_reports_the_limit_and_a_profile(tmp_path):
+    """learner_speed.py's rows carry the FLOPs of an update (torch's flop counter), the
+    matmul peak measured in the same run for the row's dtype, and the fraction of the limit
+    they give; --profile writes torch.profiler's trace."""
+    out, prof = tmp_path / "speed.json", tmp_path / "prof"
+    res = run_script(os.path.join("benchmarks", "learner_speed.py"), "--device", "cpu",
+                     "--env", "Pendulum-v1", "--batch-sizes", "32", "--hidden", "32",
+                     "--modes", "eager", "amp", "--updates-per-iter", "2", "--iterations", "2",
+                     "--repeats", "1", "--warmup", "1", "--threads", "1", "--profile",
+                     str(prof), "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    assert [(r["mode"], r["dtype"]) for r in rows] == [("eager", "float32"),
+                                                       ("amp", "bfloat16")]
+    for r in rows:
+        assert r["gflop_per_update"] > 0 and max(r["matmul_gflops"].values()) > 0
+        limit = max(r["matmul_gflops"].values()) / r["gflop_per_update"]
+        assert r["limit_updates_per_s"] == pytest.approx(limit, rel=0.01)
+        assert r["of_limit"] == pytest.approx(r["updates_per_s"] / limit, rel=0.01)
+    assert rows[0]["gflop_per_update"] == rows[1]["gflop_per_update"]  # the same arithmetic
+    assert sorted(os.listdir(prof)) == ["amp_t1_h32_b32.json", "eager_t1_h32_b32.json"]
+    assert "ms of operator self time per update" in res.stdout
