@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 import traceback
@@ -167,7 +168,8 @@ class Args:
     trace_events: int = 40_000
     """--trace: records kept per process, the first half and the newest half"""
 
-    # speed; None: on with a CUDA learner, off on a CPU (docs/performance.md)
+    # speed; None: on with a CUDA learner, off on a CPU, but for --compile and --amp on a
+    # CPU that multiplies bf16 natively (see fast_path_default; docs/performance.md)
     compile: bool | None = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
@@ -654,9 +656,11 @@ class Learner:
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
 
 
-def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
+def train(args: Args, info: D.DistInfo, resume: dict | None = None,
+          defaulted: frozenset = frozenset()) -> int:
     """Run this rank's part of one training job (continuing `resume`, a loaded checkpoint);
     returns the exit code.
+    `defaulted`: the speed flags the user left to their default (see Run).
 
     Each iteration, in this order: wait until the chunk the schedule names is collected,
     fold its observations into the normalizer, sample and update, publish the actor's
@@ -664,7 +668,7 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
     """
     stop = StopRequest()
     try:
-        run = Run(args, info)
+        run = Run(args, info, defaulted)
     except ArgsError as e:  # (--compile: its warm-up failed)
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -770,9 +774,10 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None) -> int:
 class Run:
     """One training job's parts and counters, which the loop's helpers share."""
 
-    def __init__(self, args: Args, info: D.DistInfo):
+    def __init__(self, args: Args, info: D.DistInfo, defaulted: frozenset = frozenset()):
         """The learner (compiled and warmed up: a failure stops here, before any process or
-        file exists), the run dir, TensorBoard (rank 0), the progress line and --trace."""
+        file exists, unless --compile was a default: then every rank goes on eager), the run
+        dir, TensorBoard (rank 0), the progress line and --trace."""
         device, self.info, self.is_main = torch.device(info.device), info, info.rank == 0
         if device.type == "cpu":
             threads = args.learner_threads or default_learner_threads(args.num_collectors)
@@ -781,8 +786,14 @@ class Run:
             torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.args, self.learner = args, Learner(args, *env_dims(args.env), device, info)
-        if args.compile:  # (every rank, before the loop's first collective)
-            warm_up(self.learner)
+        # (every rank compiles, before the loop's first collective; one that fails makes
+        # them all go on eager)
+        compile_s = warm_up(self.learner, "compile" not in defaulted) if args.compile else 0.0
+        if D.any_rank(compile_s is None, info):  # the default fast path failed: eager
+            args = self.args = dataclasses.replace(args, compile=False,
+                                                   amp=args.amp and "amp" not in defaulted)
+            torch.manual_seed(args.seed)
+            self.learner, compile_s = Learner(args, *env_dims(args.env), device, info), 0.0
         torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
         run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
@@ -790,7 +801,8 @@ class Run:
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
         self.writer = make_writer(args, self.run_dir) if self.is_main else NoWriter()
-        self.progress = Progress(dataclasses.replace(args, quiet=args.quiet or not self.is_main))
+        self.progress = Progress(dataclasses.replace(args, quiet=args.quiet or not self.is_main),
+                                 f" | compiled in {compile_s:.0f}s" if compile_s else "")
         # --trace: this rank's timeline and, on a node's local rank 0, its collectors'
         # (NO_TIMELINE: records nothing); every rank writes its own file
         self.trace = Trace(args.trace_events, f"learner rank {info.rank}",
@@ -1081,11 +1093,14 @@ def grad_norm(params) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def warm_up(learner: Learner) -> None:
+def warm_up(learner: Learner, asked: bool = True) -> float | None:
     """--compile: compile both update steps now by running them once on made-up data, so
-    that a compile error stops the run in its first seconds, before any process starts.
-    The networks, optimizers, counters and random state are put back afterwards."""
-    saved = copy.deepcopy(learner.state_dict())
+    that a compile error shows in the run's first seconds, before any process starts: an
+    ArgsError if the user `asked` for --compile, else a warning and None (the caller goes
+    on eager). The networks, optimizers, counters and random state are put back afterwards.
+    Returns the seconds it took (inductor caches the compiled code, by default in
+    /tmp/torchinductor_$USER: later runs take seconds)."""
+    t0, saved = time.perf_counter(), copy.deepcopy(learner.state_dict())
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
@@ -1096,13 +1111,17 @@ def warm_up(learner: Learner) -> None:
         if cuda:
             torch.cuda.synchronize(learner.device)
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
-                        f"{first_line}); run with --compile False") from e
+        why = (f"--compile failed in the warm-up update ({type(e).__name__}: "
+               f"{(str(e).strip().splitlines() or [''])[0][:300]})")
+        if asked:
+            raise ArgsError(f"{why}; run with --compile False") from e
+        print(f"warning: {why}; going on without --compile and --amp", file=sys.stderr)
+        return None
     learner.load_state_dict(saved)
     torch.set_rng_state(rng[0])
     if cuda:
         torch.cuda.set_rng_state_all(rng[1])
+    return time.perf_counter() - t0
 
 
 # =======================================================================================
@@ -1128,7 +1147,7 @@ class Progress:
     """tqdm's bar on a terminal; otherwise a line every --log-interval seconds (a log file
     gets lines, not a bar's carriage returns); --quiet: evaluations and errors only."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, note: str = ""):
         from tqdm import tqdm
 
         self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True,
@@ -1137,6 +1156,7 @@ class Progress:
         self.interval = args.log_interval if self.bar.disable else 0.5
         self.recent = collections.deque(maxlen=20)  # the newest episodes' returns
         self.last = time.perf_counter(), 0, 0  # (time, env step, updates) at the last line
+        self.note = note  # shown on the first line (the compile time)
 
     def due(self) -> bool:
         return time.perf_counter() - self.last[0] >= self.interval
@@ -1147,11 +1167,12 @@ class Progress:
         sps, ups = (step - step_last) / (now - t), (updates - updates_last) / (now - t)
         ret = f"{np.mean(self.recent):9.1f}" if self.recent else "      n/a"
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
+        self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}"
+                                 + self.note)
         if self.lines:
             print(f"step {step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | updates/s {ups:6.1f} | "
-                  f"updates {updates:>8,} | return {ret}", flush=True)
-        self.last = now, step, updates
+                  f"updates {updates:>8,} | return {ret}{self.note}", flush=True)
+        self.last, self.note = (now, step, updates), ""
         return ups
 
 
@@ -1310,13 +1331,33 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         args.target_entropy = TARGET_ENTROPY.get(family, DEFAULT_TARGET_ENTROPY)
     if args.n_step is None:
         args.n_step = N_STEP.get(family, DEFAULT_N_STEP)
-    for flag in ("compile", "amp", "prefetch", "replay_mirror"):
+    # the fast path: all on with CUDA; on a CPU --compile where it pays (fast_path_default)
+    # and --amp with it (bf16 was measured compiled), while prefetching and the device
+    # mirror serve a GPU only
+    cpu_fast = device == "cpu" and fast_path_default(args)
+    for flag in ("compile", "amp"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, device == "cuda" or (cpu_fast and args.compile is not False))
+    for flag in ("prefetch", "replay_mirror"):
         if getattr(args, flag) is None:
             setattr(args, flag, device == "cuda")
     if args.num_collectors is None:
         args.num_collectors = default_num_collectors(device, args.num_envs)
     check_args(args, check_shm)
     return args
+
+
+def fast_path_default(args: Args) -> bool:
+    """--compile and --amp's default for a CPU learner: on where the CPU multiplies bf16
+    natively (AMX or AVX512-BF16, as torch reads its flags) and a C++ compiler is there for
+    torch.compile, for runs of 10,000 updates or more (the first compile takes about a
+    minute, which a shorter run would not win back). Off elsewhere: the CPU path as before."""
+    chunks = (args.total_timesteps - args.learning_starts) // max(
+        1, args.num_envs * args.steps_per_iter)
+    native = any(getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()
+                 for isa in ("amx_tile", "avx512_bf16"))
+    compiler = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")
+    return chunks * args.updates_per_iter >= 10_000 and native and compiler is not None
 
 
 def resolve_env_id(name: str) -> str:
@@ -1389,6 +1430,7 @@ def main(argv=None) -> int:
             print(f"the checkpoint has {resume['global_step']:,} env steps already "
                   f"(--total-timesteps {args.total_timesteps:,}): nothing to do")
             return 0
+        defaulted = frozenset(f for f in ("compile", "amp") if getattr(args, f) is None)
         args = resolve_args(args)
         info = D.init(args.dist_backend, args.device, args.dist_timeout)
         if args.save_replay and info.num_nodes > 1:
@@ -1399,7 +1441,7 @@ def main(argv=None) -> int:
         return 2
     code = 1
     try:
-        code = train(args, info, resume)
+        code = train(args, info, resume, defaulted)
         return code
     finally:
         D.shutdown(info, healthy=code == 0)

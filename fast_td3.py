@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -609,8 +610,9 @@ class Learner:
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
 
 
-def train(args: Args, resume: dict | None = None) -> int:
+def train(args: Args, resume: dict | None = None, defaulted: frozenset = frozenset()) -> int:
     """Run one training job (continuing `resume`, a loaded checkpoint); returns the exit code.
+    `defaulted`: the speed flags the user left to their default (see Run).
 
     Each iteration, in this order: wait until the chunk the schedule names is collected,
     fold its observations into the normalizer, sample and update, publish the actor's
@@ -618,7 +620,7 @@ def train(args: Args, resume: dict | None = None) -> int:
     """
     stop = StopRequest()
     try:
-        run = Run(args)
+        run = Run(args, defaulted)
     except ArgsError as e:  # (--compile: its warm-up failed)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -704,9 +706,10 @@ def train(args: Args, resume: dict | None = None) -> int:
 class Run:
     """One training job's parts and counters, which the loop's helpers share."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, defaulted: frozenset = frozenset()):
         """The learner (compiled and warmed up: a failure stops here, before any process or
-        file exists), the run dir, TensorBoard, the progress line and --trace."""
+        file exists, unless --compile was a default: then the run goes on eager), the run
+        dir, TensorBoard, the progress line and --trace."""
         device = torch.device(args.device)
         if device.type == "cpu":
             torch.set_num_threads(args.learner_threads
@@ -715,12 +718,17 @@ class Run:
             torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.args, self.learner = args, Learner(args, *env_dims(args.env), device)
-        if args.compile:
-            warm_up(self.learner)
+        compile_s = warm_up(self.learner, "compile" not in defaulted) if args.compile else 0.0
+        if compile_s is None:  # the default fast path failed: the same run, eager
+            args = self.args = dataclasses.replace(args, compile=False,
+                                                   amp=args.amp and "amp" not in defaulted)
+            torch.manual_seed(args.seed)
+            self.learner = Learner(args, *env_dims(args.env), device)
         self.run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                         f"{time.strftime('%Y%m%d-%H%M%S')}")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.writer, self.progress = make_writer(args, self.run_dir), Progress(args)
+        self.writer = make_writer(args, self.run_dir)
+        self.progress = Progress(args, f" | compiled in {compile_s:.0f}s" if compile_s else "")
         # --trace: this process's timeline and its collectors' (NO_TIMELINE: records nothing)
         self.trace = Trace(args.trace_events, cuda=device.type == "cuda") if args.trace else None
         self.learner.timeline = self.trace.learner if self.trace else NO_TIMELINE
@@ -933,11 +941,14 @@ def grad_norm(params) -> torch.Tensor:
     return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def warm_up(learner: Learner) -> None:
+def warm_up(learner: Learner, asked: bool = True) -> float | None:
     """--compile: compile both update steps now by running them once on made-up data, so
-    that a compile error stops the run in its first seconds, before any process starts.
-    The networks, optimizers, counters and random state are put back afterwards."""
-    saved = copy.deepcopy(learner.state_dict())
+    that a compile error shows in the run's first seconds, before any process starts: an
+    ArgsError if the user `asked` for --compile, else a warning and None (the caller goes
+    on eager). The networks, optimizers, counters and random state are put back afterwards.
+    Returns the seconds it took (inductor caches the compiled code, by default in
+    /tmp/torchinductor_$USER: later runs take seconds)."""
+    t0, saved = time.perf_counter(), copy.deepcopy(learner.state_dict())
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
@@ -948,13 +959,17 @@ def warm_up(learner: Learner) -> None:
         if cuda:
             torch.cuda.synchronize(learner.device)
     except Exception as e:
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ArgsError(f"--compile failed in the warm-up update ({type(e).__name__}: "
-                        f"{first_line}); run with --compile False") from e
+        why = (f"--compile failed in the warm-up update ({type(e).__name__}: "
+               f"{(str(e).strip().splitlines() or [''])[0][:300]})")
+        if asked:
+            raise ArgsError(f"{why}; run with --compile False") from e
+        print(f"warning: {why}; going on without --compile and --amp", file=sys.stderr)
+        return None
     learner.load_state_dict(saved)
     torch.set_rng_state(rng[0])
     if cuda:
         torch.cuda.set_rng_state_all(rng[1])
+    return time.perf_counter() - t0
 
 
 # =======================================================================================
@@ -980,7 +995,7 @@ class Progress:
     """tqdm's bar on a terminal; otherwise a line every --log-interval seconds (a log file
     gets lines, not a bar's carriage returns); --quiet: evaluations and errors only."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, note: str = ""):
         from tqdm import tqdm
 
         self.bar = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True,
@@ -989,6 +1004,7 @@ class Progress:
         self.interval = args.log_interval if self.bar.disable else 0.5
         self.recent = collections.deque(maxlen=20)  # the newest episodes' returns
         self.last = time.perf_counter(), 0, 0  # (time, env step, updates) at the last line
+        self.note = note  # shown on the first line (the compile time)
 
     def due(self) -> bool:
         return time.perf_counter() - self.last[0] >= self.interval
@@ -999,11 +1015,12 @@ class Progress:
         sps, ups = (step - step_last) / (now - t), (updates - updates_last) / (now - t)
         ret = f"{np.mean(self.recent):9.1f}" if self.recent else "      n/a"
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}")
+        self.bar.set_postfix_str(f"SPS {sps:.0f} | updates/s {ups:.1f} | return {ret.strip()}"
+                                 + self.note)
         if self.lines:
             print(f"step {step:>9,} | {elapsed:7.1f}s | SPS {sps:7.0f} | updates/s {ups:6.1f} | "
-                  f"updates {updates:>8,} | return {ret}", flush=True)
-        self.last = now, step, updates
+                  f"updates {updates:>8,} | return {ret}{self.note}", flush=True)
+        self.last, self.note = (now, step, updates), ""
         return ups
 
 
@@ -1154,6 +1171,19 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     return args
 
 
+def fast_path_default(args: Args) -> bool:
+    """--compile and --amp's default for a CPU learner: on where the CPU multiplies bf16
+    natively (AMX or AVX512-BF16, as torch reads its flags) and a C++ compiler is there for
+    torch.compile, for runs of 10,000 updates or more (the first compile takes about a
+    minute, which a shorter run would not win back). Off elsewhere: the CPU path as before."""
+    chunks = (args.total_timesteps - args.learning_starts) // max(
+        1, args.num_envs * args.steps_per_iter)
+    native = any(getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()
+                 for isa in ("amx_tile", "avx512_bf16"))
+    compiler = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")
+    return chunks * args.updates_per_iter >= 10_000 and native and compiler is not None
+
+
 def resolve_env_id(name: str) -> str:
     """A registered id as given, or the newest version of a short name (Humanoid -> -v5)."""
     if name in gym.registry:
@@ -1226,11 +1256,12 @@ def main(argv=None) -> int:
             print(f"the checkpoint has {resume['global_step']:,} env steps already "
                   f"(--total-timesteps {args.total_timesteps:,}): nothing to do")
             return 0
+        defaulted = frozenset(f for f in ("compile", "amp") if getattr(args, f) is None)
         args = resolve_args(args)
     except ArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return train(args, resume)
+    return train(args, resume, defaulted)
 
 
 if __name__ == "__main__":

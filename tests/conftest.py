@@ -8,11 +8,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# tiny networks and batches: these runs check plumbing, not learning
+# tiny networks and batches: these runs check plumbing, not learning (eager: the tests
+# choose the speed flags themselves, so that a long run never spends a minute compiling)
 SMALL = ["--env", "Pendulum-v1", "--num-envs", "2", "--batch-size", "32", "--actor-hidden", "32",
          "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "200",
          "--steps-per-iter", "10", "--updates-per-iter", "2", "--buffer-size", "20000",
-         "--eval-episodes", "1", "--eval-interval", "0", "--log-interval", "1"]
+         "--eval-episodes", "1", "--eval-interval", "0", "--log-interval", "1",
+         "--compile", "False", "--amp", "False"]
 
 
 def shm_files() -> set[str]:

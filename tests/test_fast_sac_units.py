@@ -292,7 +292,29 @@ def test_gpu_only_flags_are_refused_on_cpu():
     with pytest.raises(fs.ArgsError, match="--cudagraphs needs a CUDA learner"):
         fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True))
     args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu"))
-    assert not (args.compile or args.amp or args.prefetch)  # the CPU path is untouched
+    assert not (args.prefetch or args.replay_mirror)  # the GPU's data path stays off
+
+
+def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
+    """--compile and --amp default to on for a long CPU run where the CPU multiplies bf16
+    natively and a C++ compiler is there; off for a short try, after --compile False, and on
+    a CPU without native bf16 (stood in for by torch's flag readers saying no)."""
+    long_run = fs.Args(env="Pendulum", device="cpu")  # (1M env steps: 125k updates)
+    short = dataclasses.replace(long_run, total_timesteps=8000, learning_starts=1000)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    args = fs.resolve_args(long_run)
+    assert args.compile == args.amp == native
+    assert not fs.resolve_args(short).compile and not fs.resolve_args(short).amp
+    args = fs.resolve_args(dataclasses.replace(long_run, compile=False))
+    assert not (args.compile or args.amp)
+    args = fs.resolve_args(dataclasses.replace(long_run, amp=False))
+    assert args.compile == native and not args.amp
+    for isa in ("avx512_bf16", "amx_tile"):
+        monkeypatch.setattr(torch.cpu, f"_is_{isa}_supported", lambda: False)
+    args = fs.resolve_args(long_run)
+    assert not (args.compile or args.amp)  # today's CPU defaults
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert not fs.fast_path_default(args)
 
 
 def test_non_finite_loss_stops_every_rank_that_agrees():

@@ -239,3 +239,30 @@ def test_compile_failure_stops_before_anything_starts(tmp_path, no_shm_leak):
     assert "--compile failed in the warm-up update" in res.stderr
     assert "run with --compile False" in res.stderr and "Traceback" not in res.stderr
     assert not run_dir.exists()
+
+
+def test_default_fast_path_that_fails_to_compile_goes_on_eager(tmp_path, no_shm_leak):
+    """Where --compile and --amp are on by default (a long run on a CPU with native bf16), a
+    compile that fails while the user did not ask for it costs one line of warning, and the
+    same run goes on eager. The failure is real: inductor gets no working C++ compiler and
+    an empty cache."""
+    import fast_sac as fs
+
+    if not fs.resolve_args(fs.Args(env="Pendulum", device="cpu")).compile:
+        pytest.skip("this CPU does not multiply bf16 natively: the fast path is off by default")
+    flags = [a for a in SMALL if a not in ("--compile", "--amp", "False")]
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *flags, "--total-timesteps",
+         "10000000", "--run-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", CXX="/bin/false",
+                 TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic")))
+    wait_for_updates(proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    warnings = [line for line in err.splitlines() if line.startswith("warning: --compile")]
+    assert len(warnings) == 1 and "going on without --compile and --amp" in warnings[0]
+    (name,) = [f for f in os.listdir(tmp_path / "run") if f.startswith("checkpoint_")]
+    saved = torch.load(tmp_path / "run" / name, weights_only=False)["args"]
+    assert not saved["compile"] and not saved["amp"] and saved["total_timesteps"] == 10000000
