@@ -163,8 +163,7 @@ class Args:
     trace_events: int = 40_000
     """--trace: records kept per process, the first half and the newest half"""
 
-    # speed; None: on with a CUDA learner, off on a CPU, but for --compile and --amp on a
-    # CPU that multiplies bf16 natively (see fast_path_default; docs/performance.md)
+    # speed; None: on with a CUDA learner, on a CPU as fast_path_default says
     compile: bool | None = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
@@ -179,11 +178,9 @@ class Args:
     """torch threads of the learner on a CPU (None: the cores the collectors leave free)"""
 
 
-# Support [v_min, v_max] of the C51 critics per env family: the discounted returns, about
-# reward_per_step / (1 - gamma) (with 1000-step episodes and gamma 0.99 a tenth of the
-# episode return), with room above the best published returns (HalfCheetah 15-17k, Humanoid
-# 10-12k, Ant and Walker2d 6-8k, Hopper 4k) and the entropy bonus, so that the projection
-# does not clamp the values of good actions.
+# Support [v_min, v_max] of the C51 critics per env family: the discounted returns (about a
+# tenth of a 1000-step episode's return at gamma 0.99), with room above the best published
+# returns (HalfCheetah 15-17k, Humanoid 10-12k, Ant and Walker2d 6-8k, Hopper 4k).
 VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
@@ -191,9 +188,8 @@ VALUE_RANGES = {
     "InvertedDoublePendulum": (0.0, 1000.0),
 }
 
-# --target-entropy's default per env family, in nats per action dimension with the actions
-# in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (docs/recipe.md): the
-# Humanoids learn sooner with a wide policy, the others with a narrower one.
+# --target-entropy's default per env family, in nats per action dimension in the [-1, 1]
+# box (a uniform policy has 0.69): the Humanoids learn sooner wide (docs/recipe.md).
 TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
 
@@ -614,22 +610,6 @@ class Learner:
         tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
         return all(bool(torch.isfinite(t).all()) for t in tensors)
 
-    SAVED = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
-
-    def state_dict(self) -> dict:
-        return {k: getattr(self, k).state_dict() for k in self.SAVED} | {
-            "log_alpha": self.log_alpha.detach().cpu(), "num_updates": self.num_updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        for k in self.SAVED:  # (an optimizer keeps this run's settings, see load_optimizer)
-            if k.endswith("_opt"):
-                checkpoints.load_optimizer(getattr(self, k), state[k])
-            else:
-                getattr(self, k).load_state_dict(state[k])
-        with torch.no_grad():
-            self.log_alpha.copy_(state["log_alpha"])
-        self.num_updates = state["num_updates"]
-
 
 # =======================================================================================
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
@@ -735,7 +715,7 @@ class Run:
         """The learner (compiled and warmed up: a failure stops here, before any process or
         file exists, unless --compile was a default: then the run goes on eager), the run
         dir, TensorBoard, the progress line and --trace."""
-        device = torch.device(args.device)
+        device, self.t_start = torch.device(args.device), time.time()
         if device.type == "cpu":
             torch.set_num_threads(args.learner_threads
                                   or default_learner_threads(args.num_collectors))
@@ -773,7 +753,7 @@ class Run:
         self.logged = dict(self.tally)
         self.metrics = self.last_obs = None  # the newest iteration's losses and observations
         self.next_save = self.next_eval = math.inf
-        self.final_eval, self.t_start = None, time.time()
+        self.final_eval = None
 
 
 def start_collectors(run: Run, resume: dict | None) -> Collectors:
@@ -973,7 +953,7 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
     on eager). The networks, optimizers, counters and random state are put back afterwards.
     Returns the seconds it took (inductor caches the compiled code, by default in
     /tmp/torchinductor_$USER: later runs take seconds)."""
-    t0, saved = time.perf_counter(), copy.deepcopy(learner.state_dict())
+    t0, saved = time.perf_counter(), copy.deepcopy(learner_state(learner))
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
@@ -990,7 +970,7 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
             raise ArgsError(f"{why}; run with --compile False") from e
         print(f"warning: {why}; going on without --compile and --amp", file=sys.stderr)
         return None
-    learner.load_state_dict(saved)
+    load_learner(learner, saved)
     torch.set_rng_state(rng[0])
     if cuda:
         torch.cuda.set_rng_state_all(rng[1])
@@ -1102,6 +1082,26 @@ MACHINE = ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs"
            "learner_threads")
 
 
+# what a checkpoint holds of the learner
+LEARNER_STATE = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
+
+
+def learner_state(learner: Learner) -> dict:
+    return {k: getattr(learner, k).state_dict() for k in LEARNER_STATE} | {
+        "log_alpha": learner.log_alpha.detach().cpu(), "num_updates": learner.num_updates}
+
+
+def load_learner(learner: Learner, state: dict) -> None:
+    for k in LEARNER_STATE:  # (an optimizer keeps this run's settings, see load_optimizer)
+        if k.endswith("_opt"):
+            checkpoints.load_optimizer(getattr(learner, k), state[k])
+        else:
+            getattr(learner, k).load_state_dict(state[k])
+    with torch.no_grad():
+        learner.log_alpha.copy_(state["log_alpha"])
+    learner.num_updates = state["num_updates"]
+
+
 def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> str:
     """Networks, optimizers, counters and RNG (its name: checkpoint_{step}.pt by default);
     with the collectors' snapshot at chunk `snapshot` (and the replay, with --save-replay)
@@ -1112,7 +1112,7 @@ def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> 
     if not run.learner.all_finite():
         raise Diverged(f"non-finite parameters at env step {step}; the last good checkpoint "
                        "is kept")
-    state = run.learner.state_dict() | {
+    state = learner_state(run.learner) | {
         "args": dataclasses.asdict(run.args), "script": SCRIPT, **run.loop,
         "restarts": run.collectors.restarts, "rng": run.rng.bit_generator.state,
         "torch_rng": torch.get_rng_state(),
@@ -1132,7 +1132,7 @@ def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> 
 
 def restore(ckpt: dict, run: Run) -> list[dict]:
     """Load a checkpoint into the learner and the buffers; returns the collectors' starts."""
-    run.learner.load_state_dict(ckpt)
+    load_learner(run.learner, ckpt)
     run.rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
     if ckpt.get("cuda_rng") and run.learner.device.type == "cuda":

@@ -4,16 +4,10 @@
     torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --nproc_per_node 4 \
         fast_sac_multigpu.py --env Humanoid
 
-Every rank is a learner. Local rank 0 of each node creates that node's replay buffer and
-weight buffer and starts its collectors; the node's other ranks attach by name. Each rank
-samples its own mini-batches, gradients are averaged with one all-reduce per optimizer step,
-and so parameters stay identical on all ranks. Global rank 0 logs, evaluates and saves.
-`diff fast_sac.py fast_sac_multigpu.py` shows what distribution changes.
-
-Read top to bottom: Args -> recipe -> env -> networks -> how a collector acts -> Learner
-(losses, update rule) -> the training loop -> checkpoints -> main. To try an idea, copy this
-file and edit the first part; the plumbing below "The training loop" rarely needs a change.
-common/ moves the bytes between processes; DESIGN.md explains how.
+Every rank is a learner; local rank 0 of each node runs that node's collectors and shared
+memory. Gradients are averaged with one all-reduce per optimizer step, so parameters stay
+identical on all ranks; global rank 0 logs, evaluates and saves. Read it as fast_sac.py
+(docs/multigpu.md): `diff fast_sac.py fast_sac_multigpu.py` shows what distribution changes.
 """
 
 from __future__ import annotations
@@ -168,8 +162,7 @@ class Args:
     trace_events: int = 40_000
     """--trace: records kept per process, the first half and the newest half"""
 
-    # speed; None: on with a CUDA learner, off on a CPU, but for --compile and --amp on a
-    # CPU that multiplies bf16 natively (see fast_path_default; docs/performance.md)
+    # speed; None: on with a CUDA learner, on a CPU as fast_path_default says
     compile: bool | None = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
@@ -188,11 +181,9 @@ class Args:
     """seconds a collective waits for the other ranks (they wait while rank 0 evaluates)"""
 
 
-# Support [v_min, v_max] of the C51 critics per env family: the discounted returns, about
-# reward_per_step / (1 - gamma) (with 1000-step episodes and gamma 0.99 a tenth of the
-# episode return), with room above the best published returns (HalfCheetah 15-17k, Humanoid
-# 10-12k, Ant and Walker2d 6-8k, Hopper 4k) and the entropy bonus, so that the projection
-# does not clamp the values of good actions.
+# Support [v_min, v_max] of the C51 critics per env family: the discounted returns (about a
+# tenth of a 1000-step episode's return at gamma 0.99), with room above the best published
+# returns (HalfCheetah 15-17k, Humanoid 10-12k, Ant and Walker2d 6-8k, Hopper 4k).
 VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
@@ -200,9 +191,8 @@ VALUE_RANGES = {
     "InvertedDoublePendulum": (0.0, 1000.0),
 }
 
-# --target-entropy's default per env family, in nats per action dimension with the actions
-# in the [-1, 1] box: a uniform policy has log 2 = 0.69. Measured (docs/recipe.md): the
-# Humanoids learn sooner with a wide policy, the others with a narrower one.
+# --target-entropy's default per env family, in nats per action dimension in the [-1, 1]
+# box (a uniform policy has 0.69): the Humanoids learn sooner wide (docs/recipe.md).
 TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
 
@@ -527,12 +517,6 @@ class Learner:
             self.actor_loss_fn = torch.compile(self.actor_loss, mode=mode, dynamic=False)
         # bf16 autocast; a disabled context costs nothing, so the code path is the same
         self.autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
-        # every rank starts from rank 0's parameters
-        D.broadcast_(self.state_tensors(), info)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        modules = (self.actor, self.critics, self.critics_target)
-        return [t for m in modules for t in m.state_dict().values()] + [self.log_alpha]
 
     def critic_loss(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
         with torch.no_grad():
@@ -556,9 +540,7 @@ class Learner:
             loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
-        mark = self.timeline.now()
-        D.allreduce_grads_(self.online_params, self.info)
-        self.timeline.phase("learner/allreduce_grads", mark)
+        allreduce_grads(self, self.online_params)  # (the mean over the ranks)
         self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
@@ -585,9 +567,7 @@ class Learner:
         self.actor_opt.zero_grad(set_to_none=True)
         self.alpha_opt.zero_grad(set_to_none=True)
         loss.backward()  # (the actor's and the temperature's gradients at once)
-        mark = self.timeline.now()
-        D.allreduce_grads_([*self.actor.parameters(), self.log_alpha], self.info)
-        self.timeline.phase("learner/allreduce_grads", mark)
+        allreduce_grads(self, [*self.actor.parameters(), self.log_alpha])
         self.grad_norms["actor_grad_norm"] = grad_norm(self.actor.parameters())
         self.actor_opt.step()
         self.alpha_opt.step()
@@ -634,22 +614,6 @@ class Learner:
     def all_finite(self) -> bool:
         tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
         return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-    SAVED = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
-
-    def state_dict(self) -> dict:
-        return {k: getattr(self, k).state_dict() for k in self.SAVED} | {
-            "log_alpha": self.log_alpha.detach().cpu(), "num_updates": self.num_updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        for k in self.SAVED:  # (an optimizer keeps this run's settings, see load_optimizer)
-            if k.endswith("_opt"):
-                checkpoints.load_optimizer(getattr(self, k), state[k])
-            else:
-                getattr(self, k).load_state_dict(state[k])
-        with torch.no_grad():
-            self.log_alpha.copy_(state["log_alpha"])
-        self.num_updates = state["num_updates"]
 
 
 # =======================================================================================
@@ -779,6 +743,7 @@ class Run:
         file exists, unless --compile was a default: then every rank goes on eager), the run
         dir, TensorBoard (rank 0), the progress line and --trace."""
         device, self.info, self.is_main = torch.device(info.device), info, info.rank == 0
+        self.t_start = time.time()
         if device.type == "cpu":
             threads = args.learner_threads or default_learner_threads(args.num_collectors)
             torch.set_num_threads(max(1, threads // info.local_world_size))
@@ -794,6 +759,7 @@ class Run:
                                                    amp=args.amp and "amp" not in defaulted)
             torch.manual_seed(args.seed)
             self.learner, compile_s = Learner(args, *env_dims(args.env), device, info), 0.0
+        D.broadcast_(learner_tensors(self.learner), info)  # every rank: rank 0's parameters
         torch.manual_seed(args.seed * 1000 + info.rank)  # own noise in the updates, too
         run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                    f"{time.strftime('%Y%m%d-%H%M%S')}")
@@ -825,7 +791,7 @@ class Run:
         self.logged = dict(self.tally)
         self.metrics = self.last_obs = None  # the newest iteration's losses and observations
         self.next_save = self.next_eval = math.inf
-        self.final_eval, self.t_start, self.hashes = None, time.time(), None
+        self.final_eval, self.hashes = None, None
 
 
 def start_collectors(run: Run, resume: dict | None) -> Collectors:
@@ -1023,6 +989,19 @@ def write_trace(run: Run) -> None:
             "script": SCRIPT, "sync_mode": run.args.sync_mode, "rank": run.info.rank})
 
 
+def learner_tensors(learner: Learner) -> list[torch.Tensor]:
+    """The learner's networks' parameters and buffers and the temperature, in a fixed order."""
+    modules = (learner.actor, learner.critics, learner.critics_target)
+    return [t for m in modules for t in m.state_dict().values()] + [learner.log_alpha]
+
+
+def allreduce_grads(learner: Learner, params) -> None:
+    """Average the gradients of `params` over the ranks (one flat all-reduce)."""
+    mark = learner.timeline.now()
+    D.allreduce_grads_(params, learner.info)
+    learner.timeline.phase("learner/allreduce_grads", mark)
+
+
 def wait_ranks(run: Run, collective, *args):
     """Run a collective that waits for the other ranks; its time counts as the learner's
     wait for them (ranks_s) and is a slice of the timeline."""
@@ -1100,7 +1079,7 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
     on eager). The networks, optimizers, counters and random state are put back afterwards.
     Returns the seconds it took (inductor caches the compiled code, by default in
     /tmp/torchinductor_$USER: later runs take seconds)."""
-    t0, saved = time.perf_counter(), copy.deepcopy(learner.state_dict())
+    t0, saved = time.perf_counter(), copy.deepcopy(learner_state(learner))
     cuda = learner.device.type == "cuda"
     rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
@@ -1117,7 +1096,7 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
             raise ArgsError(f"{why}; run with --compile False") from e
         print(f"warning: {why}; going on without --compile and --amp", file=sys.stderr)
         return None
-    learner.load_state_dict(saved)
+    load_learner(learner, saved)
     torch.set_rng_state(rng[0])
     if cuda:
         torch.cuda.set_rng_state_all(rng[1])
@@ -1229,6 +1208,26 @@ MACHINE = ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs"
            "learner_threads")
 
 
+# what a checkpoint holds of the learner
+LEARNER_STATE = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
+
+
+def learner_state(learner: Learner) -> dict:
+    return {k: getattr(learner, k).state_dict() for k in LEARNER_STATE} | {
+        "log_alpha": learner.log_alpha.detach().cpu(), "num_updates": learner.num_updates}
+
+
+def load_learner(learner: Learner, state: dict) -> None:
+    for k in LEARNER_STATE:  # (an optimizer keeps this run's settings, see load_optimizer)
+        if k.endswith("_opt"):
+            checkpoints.load_optimizer(getattr(learner, k), state[k])
+        else:
+            getattr(learner, k).load_state_dict(state[k])
+    with torch.no_grad():
+        learner.log_alpha.copy_(state["log_alpha"])
+    learner.num_updates = state["num_updates"]
+
+
 def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> str:
     """Networks, optimizers, counters and RNG (its name: checkpoint_{step}.pt by default),
     written by rank 0; with the collectors' snapshot at chunk `snapshot`, every rank's RNG
@@ -1241,7 +1240,7 @@ def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> 
     if D.any_rank(not run.learner.all_finite(), run.info):
         raise Diverged(f"non-finite parameters at env step {step}; the last good checkpoint "
                        "is kept")
-    state = run.learner.state_dict() | {
+    state = learner_state(run.learner) | {
         "args": dataclasses.asdict(run.args), "script": SCRIPT, **run.loop,
         "restarts": run.collectors.restarts, "rng": run.rng.bit_generator.state,
         "torch_rng": torch.get_rng_state(),
@@ -1263,7 +1262,7 @@ def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> 
 
 def restore(ckpt: dict, run: Run) -> list[dict]:
     """Load a checkpoint into the learner and the buffers; returns the collectors' starts."""
-    run.learner.load_state_dict(ckpt)
+    load_learner(run.learner, ckpt)
     run.rng.bit_generator.state = ckpt["rng"]
     torch.set_rng_state(ckpt["torch_rng"])
     if ckpt.get("cuda_rng") and run.learner.device.type == "cuda":

@@ -17,6 +17,7 @@ args = m.resolve_args(m.Args(env="Pendulum-v1", device="cpu", critic_hidden=32,
 torch.manual_seed(100 + info.rank)  # different init per rank: broadcast must fix that
 learner = m.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
                     torch.device("cpu"), info)
+D.broadcast_(m.learner_tensors(learner), info)  # as Run does on every rank
 g = torch.Generator().manual_seed(0)  # both ranks build the same two batches
 obs, act = torch.randn(2, 64, 3, generator=g), torch.rand(2, 64, 1, generator=g) * 4 - 2
 target = torch.rand(2, 64, 11, generator=g).softmax(-1)

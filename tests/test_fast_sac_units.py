@@ -336,9 +336,9 @@ def test_compile_warm_up_leaves_no_trace():
                                    actor_hidden=32, num_atoms=11, batch_size=16, compile=True))
     learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
                          torch.device("cpu"))
-    before, rng = copy.deepcopy(learner.state_dict()), torch.get_rng_state()
+    before, rng = copy.deepcopy(fs.learner_state(learner)), torch.get_rng_state()
     fs.warm_up(learner)
-    after = learner.state_dict()
+    after = fs.learner_state(learner)
     assert torch.equal(torch.get_rng_state(), rng) and after["num_updates"] == 0
     for key in ("actor", "critics", "critics_target"):
         assert all(torch.equal(before[key][k], v) for k, v in after[key].items()), key

@@ -125,9 +125,12 @@ def test_second_signal_aborts_and_keeps_previous_checkpoint(tmp_path, no_shm_lea
         time.sleep(0.1)
     kids = children(proc.pid)
     # two signals at once (of two kinds: a pending signal is not counted twice), so the
-    # second arrives before the first one's checkpoint: abort now
+    # second arrives before the first one's checkpoint: abort now. Sent to the stopped
+    # process, so that a busy machine cannot delay the second past that checkpoint.
+    proc.send_signal(signal.SIGSTOP)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "stopping without a checkpoint" in err, err[-3000:]
     assert all(wait_gone(k, 20) for k in kids)
