@@ -9,7 +9,7 @@ samples it, trains, and publishes the actor's weights back through shared memory
 
 Read top to bottom: Args -> recipe -> env -> networks -> how a collector acts -> Learner
 (losses, update rule) -> the training loop -> checkpoints -> main. To try an idea, copy this
-file and edit the first part; the plumbing below "The training loop" rarely needs a change.
+file and edit the first part; the plumbing below the loop's marker rarely needs a change.
 common/ moves the bytes between processes; DESIGN.md explains how.
 """
 
