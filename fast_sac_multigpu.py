@@ -283,9 +283,12 @@ class Actor(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the pre-tanh Gaussian, from a normalized observation."""
         h = self.trunk(x)
-        # float32 from here on: under --amp only the layers run in bf16, while the draw and
-        # the log-density (temperature, soft target, logged entropy) need float32
-        mu, squashed = self.mu(h).float(), torch.tanh(self.log_std(h).float())
+        # float32 from here on, the output layers too: under --amp only the trunk runs in
+        # bf16, while the draw and the log-density (temperature, soft target, logged
+        # entropy) need float32, and so does the mean (see Critics.forward)
+        with torch.autocast(h.device.type, enabled=False):
+            h = h.float()
+            mu, squashed = self.mu(h), torch.tanh(self.log_std(h))
         log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (squashed + 1)
         return mu, log_std
 
@@ -360,7 +363,11 @@ class Critics(nn.Module):
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, action], -1)
-        return self.net(x.unsqueeze(0).expand(self.k, *x.shape))
+        h = self.net[:-1](x.unsqueeze(0).expand(self.k, *x.shape))
+        # the logits in float32 under --amp too: in bf16 (8 bits of mantissa) Humanoid
+        # stood 40k-60k env steps later on seeds 1-3 (docs/performance.md)
+        with torch.autocast(h.device.type, enabled=False):
+            return self.net[-1](h.float())
 
     def q_values(self, obs, action) -> torch.Tensor:
         """Expected values [2, B] of the critics' distributions."""
