@@ -168,7 +168,7 @@ class Args:
     cudagraphs: bool = False
     """with --compile on CUDA: capture the compiled losses in CUDA graphs"""
     amp: bool | None = None
-    """bf16 autocast in the update steps"""
+    """bf16 autocast in the update steps (the output layers stay float32)"""
     prefetch: bool | None = None
     """gather the next iteration's batch while this one trains"""
     replay_mirror: bool | None = None
