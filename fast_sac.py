@@ -280,9 +280,7 @@ class Actor(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the pre-tanh Gaussian, from a normalized observation."""
         h = self.trunk(x)
-        # float32 from here on, the output layers too: under --amp only the trunk runs in
-        # bf16, while the draw and the log-density (temperature, soft target, logged
-        # entropy) need float32, and so does the mean (see Critics.forward)
+        # float32 from here on, under --amp too: the trunk alone is bf16 (docs/performance.md)
         with torch.autocast(h.device.type, enabled=False):
             h = h.float()
             mu, squashed = self.mu(h), torch.tanh(self.log_std(h))
@@ -361,9 +359,7 @@ class Critics(nn.Module):
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, action], -1)
         h = self.net[:-1](x.unsqueeze(0).expand(self.k, *x.shape))
-        # the logits in float32 under --amp too: in bf16 (8 bits of mantissa) Humanoid
-        # stood 40k-60k env steps later on seeds 1-3 (docs/performance.md)
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(h.device.type, enabled=False):  # float32 logits: see Actor
             return self.net[-1](h.float())
 
     def q_values(self, obs, action) -> torch.Tensor:

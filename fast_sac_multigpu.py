@@ -1,13 +1,10 @@
-"""FastSAC on several GPUs (or CPU processes) under torchrun: fast_sac.py plus distribution.
+"""FastSAC under torchrun (several GPUs or CPU processes): fast_sac.py plus distribution.
 
-    torchrun --nproc_per_node 4 fast_sac_multigpu.py --env Humanoid
-    torchrun --nnodes 2 --node-rank 0 --rdzv-endpoint HOST:29500 --nproc_per_node 4 \
-        fast_sac_multigpu.py --env Humanoid
+    torchrun --nproc_per_node 4 fast_sac_multigpu.py --env Humanoid  (more nodes: docs/multigpu.md)
 
-Every rank is a learner; local rank 0 of each node runs that node's collectors and shared
-memory. Gradients are averaged with one all-reduce per optimizer step, so parameters stay
-identical on all ranks; global rank 0 logs, evaluates and saves. Read it as fast_sac.py
-(docs/multigpu.md): `diff fast_sac.py fast_sac_multigpu.py` shows what distribution changes.
+Every rank is a learner (local rank 0 of a node runs its collectors and shared memory); one
+all-reduce per optimizer step keeps all ranks' parameters equal; rank 0 logs, evaluates and
+saves. What distribution adds to fast_sac.py: `diff fast_sac.py fast_sac_multigpu.py`.
 """
 
 from __future__ import annotations
@@ -283,9 +280,7 @@ class Actor(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and log-std of the pre-tanh Gaussian, from a normalized observation."""
         h = self.trunk(x)
-        # float32 from here on, the output layers too: under --amp only the trunk runs in
-        # bf16, while the draw and the log-density (temperature, soft target, logged
-        # entropy) need float32, and so does the mean (see Critics.forward)
+        # float32 from here on, under --amp too: the trunk alone is bf16 (docs/performance.md)
         with torch.autocast(h.device.type, enabled=False):
             h = h.float()
             mu, squashed = self.mu(h), torch.tanh(self.log_std(h))
@@ -364,9 +359,7 @@ class Critics(nn.Module):
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, action], -1)
         h = self.net[:-1](x.unsqueeze(0).expand(self.k, *x.shape))
-        # the logits in float32 under --amp too: in bf16 (8 bits of mantissa) Humanoid
-        # stood 40k-60k env steps later on seeds 1-3 (docs/performance.md)
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(h.device.type, enabled=False):  # float32 logits: see Actor
             return self.net[-1](h.float())
 
     def q_values(self, obs, action) -> torch.Tensor:

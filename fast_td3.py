@@ -266,7 +266,9 @@ class Actor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Action in env units from a normalized observation."""
         h = self.trunk(x)
-        with torch.autocast(h.device.type, enabled=False):  # (see Critics.forward)
+        # float32 output under --amp: in bf16 the output layers (the critics' too) slowed
+        # fast_sac's learning per env step (docs/performance.md)
+        with torch.autocast(h.device.type, enabled=False):
             return torch.tanh(self.mu(h.float())) * self.scale + self.bias
 
     def noisy(self, x: torch.Tensor, std, clip: float | None = None, generator=None):
@@ -339,9 +341,7 @@ class Critics(nn.Module):
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         x = torch.cat([obs, action], -1)
         h = self.net[:-1](x.unsqueeze(0).expand(self.k, *x.shape))
-        # the logits in float32 under --amp too: in bf16 (8 bits of mantissa) Humanoid
-        # stood 40k-60k env steps later on seeds 1-3 (docs/performance.md)
-        with torch.autocast(h.device.type, enabled=False):
+        with torch.autocast(h.device.type, enabled=False):  # float32 logits: see Actor
             return self.net[-1](h.float())
 
     def q_values(self, obs, action) -> torch.Tensor:
