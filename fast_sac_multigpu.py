@@ -522,17 +522,17 @@ class Learner:
         with torch.no_grad():
             alpha = self.log_alpha.exp()
             next_actions, next_log_prob = self.actor.sample(next_obs)
-            # (under --amp only the layers run in bf16: distributions are float32)
-            next_probs = self.critics_target(next_obs, next_actions).float().softmax(-1)
+            # (the critics' logits are float32 under --amp too: see Critics.forward)
+            next_probs = self.critics_target(next_obs, next_actions).softmax(-1)
             support = self.critics_target.support  # next_probs: [2, B, N]
             if self.args.use_cdq:
                 chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
             else:
                 chosen = next_probs.mean(0)
             # the entropy bonus shifts every atom, so it is folded in before projecting
-            target = project(chosen, rewards - discounts * alpha * next_log_prob.float(),
+            target = project(chosen, rewards - discounts * alpha * next_log_prob,
                              discounts, support)
-        log_probs = self.critics(obs, actions).float().log_softmax(-1)
+        log_probs = self.critics(obs, actions).log_softmax(-1)
         return -(target * log_probs).sum(-1).mean(-1).sum()
 
     def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
@@ -551,7 +551,7 @@ class Learner:
         detached. Also the metrics (detached)."""
         actions, log_prob = self.actor.sample(obs)
         q = self.critics.q_values(obs, actions)
-        q = (q.min(0).values if self.args.use_cdq else q.mean(0)).float()
+        q = q.min(0).values if self.args.use_cdq else q.mean(0)
         actor_loss = (self.log_alpha.detach().exp() * log_prob - q).mean()
         alpha_loss = -(self.log_alpha.exp() * (log_prob.detach() + self.target_entropy)).mean()
         return actor_loss + alpha_loss, {
@@ -607,8 +607,8 @@ class Learner:
         policy's standard deviation (of the Gaussian before tanh; mean over the batch and
         the action dimensions) and the lowest and highest Q of both critics at its actions."""
         x = self.actor.normalizer(obs)
-        q = self.critics.q_values(x, self.actor.sample(x)[0]).float()
-        return {"action_std": self.actor(x)[1].float().exp().mean(), "qf_min": q.min(),
+        q = self.critics.q_values(x, self.actor.sample(x)[0])
+        return {"action_std": self.actor(x)[1].exp().mean(), "qf_min": q.min(),
                 "qf_max": q.max()}
 
     def all_finite(self) -> bool:

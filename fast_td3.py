@@ -516,15 +516,15 @@ class Learner:
         with torch.no_grad():
             # target policy smoothing: the next action gets clipped noise
             next_actions = self.actor.noisy(next_obs, args.policy_noise, args.noise_clip)
-            # (under --amp only the layers run in bf16: distributions are float32)
-            next_probs = self.critics_target(next_obs, next_actions).float().softmax(-1)
+            # (the critics' logits are float32 under --amp too: see Critics.forward)
+            next_probs = self.critics_target(next_obs, next_actions).softmax(-1)
             support = self.critics_target.support  # next_probs: [2, B, N]
             if args.use_cdq:
                 chosen = lower_mean_distribution(next_probs, support)  # clipped double Q
             else:
                 chosen = next_probs.mean(0)
             target = project(chosen, rewards, discounts, support)
-        log_probs = self.critics(obs, actions).float().log_softmax(-1)
+        log_probs = self.critics(obs, actions).log_softmax(-1)
         return -(target * log_probs).sum(-1).mean(-1).sum()
 
     def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
@@ -539,7 +539,7 @@ class Learner:
     def actor_loss(self, obs) -> torch.Tensor:
         q = self.critics.q_values(obs, self.actor(obs))
         q = q.min(0).values if self.args.use_cdq else q.mean(0)
-        return -q.float().mean()
+        return -q.mean()
 
     def update_actor(self, obs) -> torch.Tensor:
         self.critics.requires_grad_(False)
@@ -587,8 +587,8 @@ class Learner:
         mean over the action dimensions) and the lowest and highest Q of both critics."""
         x = self.actor.normalizer(obs)
         actions = self.actor(x)
-        q = self.critics.q_values(x, actions).float()
-        spread = ((actions - self.actor.bias) / self.actor.scale).float().std(0).mean()
+        q = self.critics.q_values(x, actions)
+        spread = ((actions - self.actor.bias) / self.actor.scale).std(0).mean()
         return {"action_std": spread, "qf_min": q.min(), "qf_max": q.max()}
 
     def all_finite(self) -> bool:
