@@ -31,10 +31,11 @@ def values(tags, tag):
     return [v for _, v in tags[tag]]
 
 
-def check_learner_metrics(tags, summary, support=(-1700, 0), batch_size=32):
+def check_learner_metrics(tags, summary, support=(-1700, 0), batch_size=32, min_logs=2):
     q_min, q_max = values(tags, "losses/qf_min"), values(tags, "losses/qf_max")
     lowest, highest = support  # (expected values of distributions on the critics' support)
-    assert len(q_min) >= 2 and all(lowest <= lo < hi <= highest for lo, hi in zip(q_min, q_max))
+    assert summary["num_updates"] > 0
+    assert len(q_min) >= min_logs and all(lowest <= lo < hi <= highest for lo, hi in zip(q_min, q_max))
     for tag in ("losses/critic_grad_norm", "losses/actor_grad_norm", "losses/action_std"):
         assert all(math.isfinite(v) and v > 0 for v in values(tags, tag)), tag
     # transitions sampled per transition collected
@@ -83,4 +84,6 @@ def test_td3_async_metrics(tmp_path, no_shm_leak):
     tags, summary = run(tmp_path, "fast_td3.py", "--sync-mode", "async")
     lag = values(tags, "charts/policy_lag")
     assert all(v >= 0 for v in lag) and summary["policy_lag"] >= 0
-    check_learner_metrics(tags, summary)
+    # async: how many iterations the learner makes of 1000 env steps depends on the
+    # machine's load (one, when the collector finishes first), so one log may be all
+    check_learner_metrics(tags, summary, min_logs=1)
