@@ -35,7 +35,8 @@ def check_learner_metrics(tags, summary, support=(-1700, 0), batch_size=32, min_
     q_min, q_max = values(tags, "losses/qf_min"), values(tags, "losses/qf_max")
     lowest, highest = support  # (expected values of distributions on the critics' support)
     assert summary["num_updates"] > 0
-    assert len(q_min) >= min_logs and all(lowest <= lo < hi <= highest for lo, hi in zip(q_min, q_max))
+    assert len(q_min) >= min_logs
+    assert all(lowest <= lo < hi <= highest for lo, hi in zip(q_min, q_max))
     for tag in ("losses/critic_grad_norm", "losses/actor_grad_norm", "losses/action_std"):
         assert all(math.isfinite(v) and v > 0 for v in values(tags, tag)), tag
     # transitions sampled per transition collected
