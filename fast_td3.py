@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -1177,19 +1176,6 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         args.num_collectors = default_num_collectors(device, args.num_envs)
     check_args(args, check_shm)
     return args
-
-
-def fast_path_default(args: Args) -> bool:
-    """--compile and --amp's default for a CPU learner: on where the CPU multiplies bf16
-    natively (AMX or AVX512-BF16, as torch reads its flags) and a C++ compiler is there for
-    torch.compile, for runs of 10,000 updates or more (the first compile takes about a
-    minute, which a shorter run would not win back). Off elsewhere: the CPU path as before."""
-    chunks = (args.total_timesteps - args.learning_starts) // max(
-        1, args.num_envs * args.steps_per_iter)
-    native = any(getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()
-                 for isa in ("amx_tile", "avx512_bf16"))
-    compiler = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")
-    return chunks * args.updates_per_iter >= 10_000 and native and compiler is not None
 
 
 def resolve_env_id(name: str) -> str:
