@@ -72,6 +72,9 @@ class Bench:
     as the reference)"""
     steps_per_collector: int | None = None
     """env steps per collector in collector_scaling (default 4800, 1280 with --quick)"""
+    run_steps: int | None = None
+    """env steps of each training run, a quarter of them before learning starts (default
+    40,000, 8,000 with --quick)"""
 
 
 def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float, actor=None) -> float:
@@ -189,6 +192,7 @@ def main(b: Bench) -> None:
     cores = available_cores()
     repeats = b.repeats or (1 if b.quick else 3)
     seconds, total, iters = (4, 8_000, 10) if b.quick else (15, 40_000, 60)
+    total = b.run_steps or total
     starts = total // 4
     threads = {"default": default_learner_threads(1), "shared": cores}
     rows: dict[str, list[float]] = {"bare_env_steps_per_s": [], "bare_policy_env_steps_per_s": []}
