@@ -50,6 +50,21 @@ def test_c51_projection_matches_brute_force():
     np.testing.assert_allclose(got.sum(1), 1.0)
 
 
+def test_c51_projection_puts_mass_at_v_max_on_the_last_atom_despite_rounding():
+    """In float32, (v_max - v_min) / delta is 100.0000076 on this support of 101 atoms, so a
+    target clamped to v_max once pointed one atom past the end (an index error in eager
+    mode, a write out of bounds compiled)."""
+    support = torch.linspace(-10.0, 200.0, 101)
+    assert ((support[-1] - support[0]) / ((support[-1] - support[0]) / 100)).ceil() == 101
+    probs = torch.rand(8, 101, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    rewards, discounts = torch.full((8,), 50.0), torch.full((8,), 0.99)
+    got = fs.project(probs, rewards, discounts, support).numpy()
+    want = brute_force_projection(probs.double().numpy(), rewards.double().numpy(),
+                                  discounts.double().numpy(), support.double().numpy())
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got.sum(1), 1.0, rtol=1e-5)
+
+
 def test_normalizer_matches_numpy_over_chunks():
     x = np.random.default_rng(0).normal(3.0, 2.0, size=(1000, 5)).astype(np.float32)
     norm = fs.Normalizer(5)
