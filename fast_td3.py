@@ -490,7 +490,8 @@ class Learner:
                                       args.v_min, args.v_max).to(device)
         self.critics_target.load_state_dict(self.critics.state_dict())
         self.critics_target.requires_grad_(False)
-        # fused: one kernel per step (on a CPU 140 us for the critics, a third of foreach's)
+        # one fused kernel per optimizer step: one launch on CUDA, and on CPU a third of the
+        # time of the multi-tensor (foreach) step (about 140 against 440 us for the critics)
         adam = dict(betas=(0.9, 0.95), fused=True)
         self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=args.actor_lr,
                                            weight_decay=args.weight_decay, **adam)
@@ -501,9 +502,8 @@ class Learner:
         self.num_updates = 0
         self.timeline, self.grad_norms = NO_TIMELINE, {}  # (train sets the timeline)
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
-        if args.compile:  # (static shapes: every mini-batch has the same size)
-            # inductor's CPU randn runs a Philox generator per number: eager's is faster
-            torch._inductor.config.fallback_random = device.type == "cpu"
+        if args.compile:
+            # (static shapes: every mini-batch has the same size)
             mode = "reduce-overhead" if args.cudagraphs else None
             self.critic_loss_fn = torch.compile(self.critic_loss, mode=mode, dynamic=False)
             self.actor_loss_fn = torch.compile(self.actor_loss, mode=mode, dynamic=False)
