@@ -6,7 +6,7 @@ collector_efficiency: env steps/s of the collector while it steps inside a real 
   over a bare gymnasium vector env stepping the same envs with random actions (1 process each).
 learner_efficiency: updates/s of the learner inside the run (wall time from its first to its
   last update), over the same iteration (sample, copy, updates, publish) run alone on a
-  filled buffer with the same thread count.
+  filled buffer with the same thread count and the same --compile and --amp.
   Both are measured for two thread settings on this machine: `default` (fast_sac.py's: one
   collector, learner threads = cores - 1, nobody shares a core) and `shared` (the learner
   takes every core, so it shares the collector's).
@@ -72,6 +72,9 @@ class Bench:
     as the reference)"""
     steps_per_collector: int | None = None
     """env steps per collector in collector_scaling (default 4800, 1280 with --quick)"""
+    compile: bool | None = None
+    """--compile and --amp of every learner here, in the runs and alone (default: fast_sac.py's
+    default for a long run on this machine; a short run alone would resolve them otherwise)"""
     run_steps: int | None = None
     """env steps of each training run, a quarter of them before learning starts (default
     40,000, 8,000 with --quick)"""
@@ -99,19 +102,20 @@ def bare_env_steps_per_s(env_id: str, num_envs: int, seconds: float, actor=None)
     return rate
 
 
-def full_run(env_id: str, total: int, learning_starts: int, *flags: str) -> dict:
+def full_run(env_id: str, total: int, learning_starts: int, fast: bool, *flags: str) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, os.path.join(ROOT, "fast_sac.py"), "--env", env_id, "--device",
                "cpu", "--total-timesteps", str(total), "--learning-starts",
-               str(learning_starts), "--eval-interval", "0", "--eval-episodes", "1",
+               str(learning_starts), "--compile", str(fast), "--amp", str(fast),
+               "--eval-interval", "0", "--eval-episodes", "1",
                "--run-dir", run_dir, "--log-interval", "1000", *flags]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         with open(os.path.join(run_dir, "summary.json")) as f:
             return json.load(f)
 
 
-def isolated_updates_per_s(env_id: str, iterations: int, threads: int) -> float:
-    args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
+def isolated_updates_per_s(env_id: str, iterations: int, threads: int, fast: bool) -> float:
+    args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu", compile=fast, amp=fast))
     torch.set_num_threads(threads)  # as the learner does
     obs_dim, act_dim, low, high = fast_sac.env_dims(args.env)
     learner = fast_sac.Learner(args, obs_dim, act_dim, low, high, torch.device("cpu"))
@@ -188,7 +192,8 @@ def write_scaling(path: str, env_id: str, cores: int, rows: dict[str, list[float
 
 def main(b: Bench) -> None:
     env_id = fast_sac.resolve_env_id(b.env)
-    args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))
+    args = fast_sac.resolve_args(fast_sac.Args(env=env_id, device="cpu"))  # (a long run's)
+    fast = args.compile if b.compile is None else b.compile
     cores = available_cores()
     repeats = b.repeats or (1 if b.quick else 3)
     seconds, total, iters = (4, 8_000, 10) if b.quick else (15, 40_000, 60)
@@ -228,18 +233,20 @@ def main(b: Bench) -> None:
                 env_id, 1, args.num_envs, args.num_envs * args.steps_per_iter
                 * (40 if b.quick else 150), run_dir))
         for name, n in threads.items():
-            s = full_run(env_id, total, starts, "--learner-threads", str(n))
+            s = full_run(env_id, total, starts, fast, "--learner-threads", str(n))
             perf = s["perf"]
             rows[f"{name}/collector_steps_per_s"].append(perf["collector_steps_per_s"])
             rows[f"{name}/run_updates_per_s"].append(perf["updates_per_s_since_first_update"])
             rows[f"{name}/collect_s_per_iter"].append(perf["collect_s"] / s["iterations"])
-            rows[f"{name}/isolated_updates_per_s"].append(isolated_updates_per_s(env_id, iters, n))
+            rows[f"{name}/isolated_updates_per_s"].append(
+                isolated_updates_per_s(env_id, iters, n, fast))
         # overlap: as many updates per iteration as take the time of collecting one chunk
         collect = float(np.median(rows["default/collect_s_per_iter"]))
         update = 1.0 / float(np.median(rows["default/isolated_updates_per_s"]))
         balanced = max(1, round(collect / update))
         for mode in ("lockstep", "pipelined"):
-            perf = full_run(env_id, total, starts, "--learner-threads", str(threads["default"]),
+            perf = full_run(env_id, total, starts, fast, "--learner-threads",
+                            str(threads["default"]),
                             "--updates-per-iter", str(balanced), "--sync-mode", mode)["perf"]
             rows[f"overlap/{mode}_updates_per_s"].append(perf["updates_per_s_since_first_update"])
         with tempfile.TemporaryDirectory() as run_dir:
@@ -253,6 +260,7 @@ def main(b: Bench) -> None:
         return
     result = {
         "env": env_id, "num_envs": args.num_envs, "repeats": repeats, "quick": b.quick,
+        "compile_and_amp": fast,
         "cores": cores, "learner_threads": threads, "overlap_updates_per_iter": balanced,
         "medians": med, "runs": rows,
         **{f"collector_efficiency/{name}": med[f"{name}/collector_steps_per_s"]
@@ -268,7 +276,8 @@ def main(b: Bench) -> None:
         "overlap": med["overlap/pipelined_updates_per_s"] / med["overlap/lockstep_updates_per_s"],
         "collector_scaling": scaling,
     }
-    print(f"{env_id}, {cores} cores, learner threads {threads}, {repeats} repeat(s); "
+    print(f"{env_id}, {cores} cores, learner threads {threads}, --compile and --amp {fast}, "
+          f"{repeats} repeat(s); "
           f"overlap at --updates-per-iter {balanced}")
     print(f"{'figure':40s} {'median':>10s}   runs")
     for k, v in rows.items():

@@ -69,13 +69,15 @@ def test_collectors_without_a_learner_cross_the_async_window(tmp_path, no_shm_le
 def test_throughput_quick_path_finishes_with_every_figure(tmp_path, no_shm_leak):
     """The whole --quick path (its collector-alone step crosses the async window too), with
     training runs of 3,000 env steps rather than 8,000 (each run's start and end, about 8 s,
-    is most of its time either way)."""
+    is most of its time either way), every learner eager."""
     out = tmp_path / "throughput.json"
     res = run_script(os.path.join("benchmarks", "throughput.py"), "--env", "Pendulum-v1",
-                     "--quick", "--run-steps", "3000", "--out", str(out), timeout=400)
+                     "--quick", "--run-steps", "3000", "--compile", "False", "--out", str(out),
+                     timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(out) as f:
         result = json.load(f)
+    assert result["compile_and_amp"] is False
     for key in ("collector_efficiency/default", "learner_efficiency/default", "overlap",
                 "collector_gap/plumbing"):
         assert result[key] > 0, key
