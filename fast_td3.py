@@ -362,8 +362,8 @@ def project(probs, rewards, discounts, support) -> torch.Tensor:
     n = support.shape[0]
     v_min, v_max = support[0], support[-1]
     delta = (v_max - v_min) / (n - 1)
-    tz = (rewards[:, None] + discounts[:, None] * support).clamp(v_min, v_max)
-    b = ((tz - v_min) / delta).clamp(0, n - 1)  # (rounding can put v_max just past n - 1)
+    tz = rewards[:, None] + discounts[:, None] * support
+    b = ((tz - v_min) / delta).clamp(0, n - 1)  # (in atoms: at v_max, b can round past n - 1)
     lo, hi = b.floor().long(), b.ceil().long()
     # when b hits an atom exactly, lo == hi and both weights below would be 0: move one
     lo = torch.where((hi > 0) & (lo == hi), lo - 1, lo)
