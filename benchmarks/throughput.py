@@ -245,8 +245,8 @@ def main(b: Bench) -> None:
         update = 1.0 / float(np.median(rows["default/isolated_updates_per_s"]))
         balanced = max(1, round(collect / update))
         for mode in ("lockstep", "pipelined"):
-            perf = full_run(env_id, total, starts, fast, "--learner-threads",
-                            str(threads["default"]),
+            perf = full_run(env_id, total, starts, fast,
+                            "--learner-threads", str(threads["default"]),
                             "--updates-per-iter", str(balanced), "--sync-mode", mode)["perf"]
             rows[f"overlap/{mode}_updates_per_s"].append(perf["updates_per_s_since_first_update"])
         with tempfile.TemporaryDirectory() as run_dir:
@@ -277,8 +277,7 @@ def main(b: Bench) -> None:
         "collector_scaling": scaling,
     }
     print(f"{env_id}, {cores} cores, learner threads {threads}, --compile and --amp {fast}, "
-          f"{repeats} repeat(s); "
-          f"overlap at --updates-per-iter {balanced}")
+          f"{repeats} repeat(s); overlap at --updates-per-iter {balanced}")
     print(f"{'figure':40s} {'median':>10s}   runs")
     for k, v in rows.items():
         print(f"{k:40s} {med[k]:10.3f}   {', '.join(f'{x:.3f}' for x in v)}")
