@@ -16,8 +16,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo  # noqa: F401  (before any process group exists: see below)
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+# torch._dynamo (torch.optim and torch.compile import it), imported first after a process
+# group exists, keeps that group alive past destroy_process_group: its gloo threads then run
+# until the interpreter exits, and tearing them down there can abort a finished rank
+# (SIGABRT, "terminate called without an active exception": 1 to 3 runs in 30 of
+# tests/dist_grad_check.py on a 2-core EPYC). So this module imports it first.
 
 # the group that carries control integers (progress, stop, finite) as CPU tensors: gloo
 # beside NCCL, so that agreeing on them never queues work on a GPU nor waits for one

@@ -1,6 +1,7 @@
 """Run under torchrun with 2 processes: the all-reduced gradient of two ranks on batches A and
 B must equal the single-process gradient on A and B together."""
 
+import os
 import sys
 
 import numpy as np
@@ -37,4 +38,8 @@ for avg, full in zip(averaged, [p.grad for p in learner.critics.parameters()]):
 hashes = D.gather_strings(D.param_hash([learner.critics]), info)
 assert hashes[0] == hashes[1], "broadcast did not make parameters equal"
 D.shutdown(info)
+# the group's threads went with it (left to the interpreter's exit, their teardown can abort
+# a finished rank; see common/dist.py's init)
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+assert not any("gloo" in name for name in threads), threads
 print(f"rank {info.rank}: gradients match")
