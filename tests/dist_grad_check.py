@@ -39,7 +39,7 @@ hashes = D.gather_strings(D.param_hash([learner.critics]), info)
 assert hashes[0] == hashes[1], "broadcast did not make parameters equal"
 D.shutdown(info)
 # the group's threads went with it (left to the interpreter's exit, their teardown can abort
-# a finished rank; see common/dist.py's init)
+# a finished rank; see why common/dist.py imports torch._dynamo first)
 threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 assert not any("gloo" in name for name in threads), threads
 print(f"rank {info.rank}: gradients match")
