@@ -2,7 +2,9 @@ import copy
 import dataclasses
 import math
 import multiprocessing as mp
+import sysconfig
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,6 +332,19 @@ def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
     assert not (args.compile or args.amp)  # today's CPU defaults
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert not fs.fast_path_default(args)
+
+
+def test_cpp_wrapper_only_on_a_cpu_with_python_headers(monkeypatch, tmp_path):
+    """--compile uses inductor's C++ wrapper on a CPU where Python.h is there (it builds each
+    graph as an extension module); without the headers, on CUDA, and with --cudagraphs, not."""
+    args, cpu = fs.Args(), torch.device("cpu")
+    headers = (Path(sysconfig.get_path("include")) / "Python.h").exists()
+    assert fs.compile_settings(args, cpu) == {"options": {"cpp_wrapper": headers}}
+    assert fs.compile_settings(args, torch.device("cuda")) == {"options": {"cpp_wrapper": False}}
+    assert fs.compile_settings(dataclasses.replace(args, cudagraphs=True), cpu) == {
+        "mode": "reduce-overhead"}
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))  # no Python.h
+    assert fs.compile_settings(args, cpu) == {"options": {"cpp_wrapper": False}}
 
 
 def test_non_finite_loss_stops_every_rank_that_agrees():
