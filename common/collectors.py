@@ -191,6 +191,9 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
     # learner is gone exits by itself, see _poll)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # (the learner blocked both while it started this process, which inherits that mask: a
+    # signal sent while this process imported waits, and unblocked now it is discarded)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
     torch.set_num_threads(1)
     rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
     ctrl = Control.attach(ctrl_spec, index)
@@ -458,7 +461,14 @@ class Collectors:
             target=collector_main, daemon=True, name=f"{self.name}-collector-{index}",
             args=(self.make_env, self.make_policy, self.args, index, self.rb.spec,
                   self.ws.spec, self.ctrl.spec, self.run_dir, start))
-        proc.start()
+        # the new process imports for seconds before collector_main ignores SIGINT and
+        # SIGTERM; blocked here, they cannot kill it then (a signal to the whole process group
+        # early in a run). Here they wait until the unblock, then reach the learner's handler
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return proc
 
     def start(self, make_env, make_policy, starts: list[dict | None]) -> None:

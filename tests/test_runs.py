@@ -198,6 +198,27 @@ def test_signal_saves_checkpoint_and_cleans_up(script, sig, tmp_path, no_shm_lea
     assert wait_gone(collector, 20)
 
 
+def test_signal_to_the_group_while_collectors_import(tmp_path, no_shm_leak):
+    """SIGTERM to every process of a run the moment its collectors exist, while they still
+    import (seconds, before they can ignore it: a preemption early in a run, or `timeout`
+    on a slow start) stops it as an interrupt with a checkpoint, not as a failed collector."""
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--num-collectors", "2",
+         "--total-timesteps", "4000", "--run-dir", run_dir], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    t0 = time.time()
+    while len(kids := children(proc.pid)) < 2 and time.time() - t0 < 120:
+        time.sleep(0.01)
+    assert len(kids) == 2, proc.communicate()[1][-3000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "failed" not in err and "written" in err, err[-3000:]
+    assert read_summary(run_dir)["status"] == "interrupted"
+    assert all(wait_gone(k, 20) for k in kids)
+
+
 @pytest.mark.parametrize("script, collectors", [
     ("fast_sac.py", 1), pytest.param("fast_sac_multigpu.py", 1, marks=pytest.mark.slow),
     pytest.param("fast_sac.py", 2, marks=pytest.mark.slow)])
