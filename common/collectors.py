@@ -23,6 +23,7 @@ DESIGN.md (next to the scripts) explains the schedule and the snapshot timing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import multiprocessing as mp
@@ -422,7 +423,7 @@ class Collectors:
         self.rb, self.ws, self.ctrl = rb, ws, ctrl
         self.procs: list[mp.Process] = []
         self.num_chunks = num_chunks(args)
-        self.restarts, self.wait_s, self.reward_terms = 0, 0.0, []
+        self.restarts, self.wait_s, self.reward_terms, self.closed = 0, 0.0, [], False
         self.episodes_seen = [0] * ctrl.num
         self.timing = np.zeros(4)  # the collectors' mean seconds by cause, read at close
 
@@ -478,6 +479,10 @@ class Collectors:
         # the names of the per-episode sums of reward terms the collectors log, in order
         self.reward_terms = reward_terms(make_env, self.args.env)
         self.procs = [self._spawn(i, start) for i, start in enumerate(starts)]
+        # at exit, before multiprocessing's own hook: that one joins its children after a
+        # SIGTERM, which collectors ignore, so a learner that missed close() (an exception in
+        # its own cleanup, say a print to a closed pipe) would wait for them forever
+        atexit.register(self.close)
 
     def resume(self, ckpt: dict) -> tuple[list[dict], int | None]:
         """Before `start`: continue from a checkpoint (common/checkpoints.py), whose learner
@@ -634,7 +639,11 @@ class Collectors:
 
     def close(self) -> None:
         """Ask every collector to stop, then insist; once all are gone, remove the shared
-        memory (owner) and the snapshot files."""
+        memory (owner) and the snapshot files. Once only: later calls do nothing."""
+        atexit.unregister(self.close)
+        if self.closed:
+            return
+        self.closed = True
         self.timing = self.ctrl.mean_timing().copy()
         if self.owner:
             self.ctrl.stop_all()

@@ -219,6 +219,28 @@ def test_signal_to_the_group_while_collectors_import(tmp_path, no_shm_leak):
     assert all(wait_gone(k, 20) for k in kids)
 
 
+def test_signal_after_the_output_pipe_closed(tmp_path, no_shm_leak):
+    """A run whose reader is gone (a killed `| tee`, a driver script stopped first) and
+    then gets SIGINT: printing 'interrupted' fails, and the run still stops its collectors
+    and exits, instead of waiting for them at interpreter exit forever."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--log-interval", "5",
+         "--total-timesteps", "1000000", "--run-dir", str(tmp_path / "run")], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        wait_for_updates(proc)  # (then 5 s until the next line: the signal comes first)
+        kids = children(proc.pid)
+        proc.stdout.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        assert proc.returncode != 0
+        assert all(wait_gone(k, 20) for k in kids)
+    finally:
+        if proc.poll() is None:  # (the hang this test is about; its collectors follow)
+            proc.kill()
+
+
 @pytest.mark.parametrize("script, collectors", [
     ("fast_sac.py", 1), pytest.param("fast_sac_multigpu.py", 1, marks=pytest.mark.slow),
     pytest.param("fast_sac.py", 2, marks=pytest.mark.slow)])
