@@ -36,3 +36,21 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_sh
     assert sample["host_ms"] > 0 and sample["mirror_ms"] > 0
     scaling = json.loads((out / "scaling.json").read_text())
     assert set(scaling["collector_scaling"]) == {"1", "2"}
+
+
+@pytest.mark.slow
+def test_gpu_check_steps_runs_only_the_steps_named(tmp_path, no_shm_leak):
+    """GPU_CHECK_STEPS reruns some steps within what is left of a device lease: `machine`
+    (which sizes the buffers) and the steps named run, the others are listed as not run."""
+    out = tmp_path / "out"
+    res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OUT=str(out), GPU_CHECK_STEPS="fast_sac"))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    log = (out / "gpu_check.log").read_text()
+    assert "== machine: exit 0 after" in log and "== fast_sac: exit 0 after" in log
+    for name in ("learner_speed", "multigpu", "fast_td3", "cudagraphs", "sample_time",
+                 "collector_scaling"):
+        assert f"== {name}: not in GPU_CHECK_STEPS" in log, name
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs] == ["fast_sac"] and runs[0]["num_updates"] > 0
