@@ -57,6 +57,8 @@ from common.shm import check_shm_space
 from common.trace import NO_RING_WRITER
 from common.weights import WeightSync
 
+# the learner's to handle (StopRequest); collectors ignore them, from their start on
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TRACE_RING = 16384  # --trace: records per collector's ring (the learner drains it each iteration)
 
 
@@ -190,11 +192,11 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
     # preemption notice send them to every process of the job, and the learner needs its
     # collectors alive for the checkpoint it takes before it stops them (a collector whose
     # learner is gone exits by itself, see _poll)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # (the learner blocked both while it started this process, which inherits that mask: a
     # signal sent while this process imported waits, and unblocked now it is discarded)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     torch.set_num_threads(1)
     rb, ws = ReplayBuffer.attach(rb_spec), WeightSync.attach(ws_spec)
     ctrl = Control.attach(ctrl_spec, index)
@@ -465,7 +467,7 @@ class Collectors:
         # the new process imports for seconds before collector_main ignores SIGINT and
         # SIGTERM; blocked here, they cannot kill it then (a signal to the whole process group
         # early in a run). Here they wait until the unblock, then reach the learner's handler
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             proc.start()
         finally:
@@ -693,7 +695,7 @@ class StopRequest:
 
     def __init__(self):
         self.signum, self.t = None, 0.0
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
