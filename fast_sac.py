@@ -288,12 +288,11 @@ class Actor(nn.Module):
         log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (squashed + 1)
         return mu, log_std
 
-    def sample(self, x: torch.Tensor, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Action in env units and its log-probability, from a normalized observation."""
+    def sample(self, x: torch.Tensor, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Action in env units and its log-probability, from a normalized observation and
+        standard normal noise `eps` [B, act_dim] (the caller draws it: see Learner.noise)."""
         mu, log_std = self(x)
-        std = log_std.exp()
-        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=torch.float32)
-        u = mu + std * eps
+        u = mu + log_std.exp() * eps
         y = torch.tanh(u)
         # Gaussian log-density minus the log-Jacobian of tanh and of the affine rescale
         log_prob = (-0.5 * eps.square() - log_std - 0.5 * math.log(2 * math.pi)
@@ -306,7 +305,8 @@ class Actor(nn.Module):
         x = self.normalizer(obs)
         if deterministic:
             return torch.tanh(self(x)[0]) * self.scale + self.bias
-        return self.sample(x, generator)[0]
+        eps = torch.randn(x.shape[0], len(self.scale), generator=generator, device=x.device)
+        return self.sample(x, eps)[0]
 
 
 def make_actor(args: Args, obs_dim: int, act_dim: int, low, high) -> Actor:
@@ -518,10 +518,16 @@ class Learner:
         # bf16 autocast; a disabled context costs nothing, so the code path is the same
         self.autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
-    def critic_loss(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+    def noise(self, rows: int) -> torch.Tensor:
+        """The actor's standard normal noise for `rows` samples, drawn eagerly and passed
+        into the compiled losses: inductor's own CPU randn took 6% of an update's time
+        (docs/performance.md). Compiled or not, a seed draws the same noise."""
+        return torch.randn(rows, self.act_dim, device=self.device)
+
+    def critic_loss(self, obs, actions, rewards, next_obs, discounts, eps) -> torch.Tensor:
         with torch.no_grad():
             alpha = self.log_alpha.exp()
-            next_actions, next_log_prob = self.actor.sample(next_obs)
+            next_actions, next_log_prob = self.actor.sample(next_obs, eps)
             # (the critics' logits are float32 under --amp too: see Critics.forward)
             next_probs = self.critics_target(next_obs, next_actions).softmax(-1)
             support = self.critics_target.support  # next_probs: [2, B, N]
@@ -536,19 +542,20 @@ class Learner:
         return -(target * log_probs).sum(-1).mean(-1).sum()
 
     def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+        eps = self.noise(obs.shape[0])
         with self.autocast():
-            loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts)
+            loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts, eps)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
         self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
-    def actor_loss(self, obs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def actor_loss(self, obs, eps) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor's loss plus the temperature's, so that one backward (compiled with the
         rest) serves both: each reaches only its own parameters, as the other's inputs are
         detached. Also the metrics (detached)."""
-        actions, log_prob = self.actor.sample(obs)
+        actions, log_prob = self.actor.sample(obs, eps)
         q = self.critics.q_values(obs, actions)
         q = q.min(0).values if self.args.use_cdq else q.mean(0)
         actor_loss = (self.log_alpha.detach().exp() * log_prob - q).mean()
@@ -561,8 +568,9 @@ class Learner:
 
     def update_actor(self, obs) -> dict[str, torch.Tensor]:
         self.critics.requires_grad_(False)
+        eps = self.noise(obs.shape[0])
         with self.autocast():
-            loss, metrics = self.actor_loss_fn(obs)
+            loss, metrics = self.actor_loss_fn(obs, eps)
         self.actor_opt.zero_grad(set_to_none=True)
         self.alpha_opt.zero_grad(set_to_none=True)
         loss.backward()  # (the actor's and the temperature's gradients at once)
@@ -605,7 +613,7 @@ class Learner:
         policy's standard deviation (of the Gaussian before tanh; mean over the batch and
         the action dimensions) and the lowest and highest Q of both critics at its actions."""
         x = self.actor.normalizer(obs)
-        q = self.critics.q_values(x, self.actor.sample(x)[0])
+        q = self.critics.q_values(x, self.actor.sample(x, self.noise(x.shape[0]))[0])
         return {"action_std": self.actor(x)[1].exp().mean(), "qf_min": q.min(),
                 "qf_max": q.max()}
 

@@ -271,12 +271,10 @@ class Actor(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return torch.tanh(self.mu(h.float())) * self.scale + self.bias
 
-    def noisy(self, x: torch.Tensor, std, clip: float | None = None, generator=None):
-        """forward(x) plus Gaussian noise of `std` half-widths (clipped to +-clip), kept
-        inside the action bounds."""
+    def noisy(self, x: torch.Tensor, noise: torch.Tensor, clip: float | None = None):
+        """forward(x) plus `noise` in half-widths (the caller draws it, a standard normal
+        times the std: see Learner.noise; clipped to +-clip), kept inside the bounds."""
         action = self(x)
-        noise = torch.randn(action.shape, generator=generator, device=action.device,
-                            dtype=action.dtype) * std
         if clip is not None:
             noise = noise.clamp(-clip, clip)
         low, high = self.bias - self.scale, self.bias + self.scale
@@ -288,7 +286,8 @@ class Actor(nn.Module):
         x = self.normalizer(obs)
         if deterministic:
             return self(x)
-        return self.noisy(x, std, generator=generator)
+        noise = torch.randn(x.shape[0], len(self.scale), generator=generator, device=x.device)
+        return self.noisy(x, noise * std)
 
 
 def make_actor(args: Args, obs_dim: int, act_dim: int, low, high) -> Actor:
@@ -510,11 +509,17 @@ class Learner:
         # bf16 autocast; a disabled context costs nothing, so the code path is the same
         self.autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.amp)
 
-    def critic_loss(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+    def noise(self, rows: int) -> torch.Tensor:
+        """Target policy smoothing's noise for `rows` samples, drawn eagerly and passed into
+        the compiled loss: inductor's own CPU randn took 6% of fast_sac's update time
+        (docs/performance.md). Compiled or not, a seed draws the same noise."""
+        return torch.randn(rows, len(self.actor.scale), device=self.device)
+
+    def critic_loss(self, obs, actions, rewards, next_obs, discounts, eps) -> torch.Tensor:
         args = self.args
         with torch.no_grad():
             # target policy smoothing: the next action gets clipped noise
-            next_actions = self.actor.noisy(next_obs, args.policy_noise, args.noise_clip)
+            next_actions = self.actor.noisy(next_obs, eps * args.policy_noise, args.noise_clip)
             # (the critics' logits are float32 under --amp too: see Critics.forward)
             next_probs = self.critics_target(next_obs, next_actions).softmax(-1)
             support = self.critics_target.support  # next_probs: [2, B, N]
@@ -527,8 +532,9 @@ class Learner:
         return -(target * log_probs).sum(-1).mean(-1).sum()
 
     def update_critic(self, obs, actions, rewards, next_obs, discounts) -> torch.Tensor:
+        eps = self.noise(obs.shape[0])
         with self.autocast():
-            loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts)
+            loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts, eps)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
         self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)

@@ -82,8 +82,8 @@ def test_actor_log_prob_matches_change_of_variables():
     low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
     actor = fs.Actor(3, 2, 32, low, high, -5.0, 1.0)
     x = torch.randn(4000, 3)
-    gen = torch.Generator().manual_seed(1)
-    action, log_prob = actor.sample(x, gen)
+    eps = torch.randn(4000, 2, generator=torch.Generator().manual_seed(1))
+    action, log_prob = actor.sample(x, eps)
     assert (action >= torch.tensor(low)).all() and (action <= torch.tensor(high)).all()
     # recompute from the action: N(u; mu, std) / |d action / d u|
     mu, log_std = actor(x)
@@ -395,7 +395,7 @@ def test_target_entropy_and_logged_entropy_are_per_dimension_in_the_box():
     metrics, learner = _three_iterations(compile=False, amp=False, target_entropy=-0.5)
     assert learner.target_entropy == pytest.approx(-0.5 + math.log(2))
     obs = torch.randn(4096, 3)
-    _, log_prob = learner.actor.sample(learner.actor.normalizer(obs))
+    _, log_prob = learner.actor.sample(learner.actor.normalizer(obs), learner.noise(4096))
     box_entropy = -log_prob.mean().item() - math.log(2)
     assert learner.update_actor(obs)["entropy"].item() == pytest.approx(box_entropy, abs=0.1)
     assert {"entropy", "qf_value", "alpha", "actor_loss"} <= set(metrics)
@@ -423,7 +423,7 @@ def test_critic_target_and_actor_objective_follow_use_cdq(use_cdq):
     q = learner.critics.q_values(obs, actions).mean().item()
     assert q == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.5)
     learner.critics.load_state_dict(learner.critics_target.state_dict())
-    q_actor = learner.actor_loss(obs)[1]["qf_value"]
+    q_actor = learner.actor_loss(obs, learner.noise(64))[1]["qf_value"]
     assert q_actor.item() == pytest.approx(-6.0 if use_cdq else 0.0, abs=0.01)
 
 

@@ -94,15 +94,14 @@ def test_actor_log_prob_is_float32_under_bf16_autocast():
     torch.manual_seed(0)
     low, high = np.full(6, -0.4, np.float32), np.full(6, 0.4, np.float32)
     actor = fs.Actor(17, 6, 64, low, high, -5.0, 1.0)
-    x = torch.randn(512, 17)
+    x, eps = torch.randn(512, 17), torch.randn(512, 6)
     with torch.autocast("cpu", torch.bfloat16):
         mu, log_std = actor(x)
-        action, log_prob = actor.sample(x, torch.Generator().manual_seed(3))
+        action, log_prob = actor.sample(x, eps)
     assert mu.dtype == log_std.dtype == action.dtype == log_prob.dtype == torch.float32
     assert actor.trunk[0](x).dtype == torch.float32  # (outside autocast)
     with torch.autocast("cpu", torch.bfloat16):
         assert actor.trunk[0](x).dtype == torch.bfloat16  # the layers do run in bf16
-    eps = torch.randn(mu.shape, generator=torch.Generator().manual_seed(3))
     y = torch.tanh(mu + log_std.exp() * eps)
     expected = (-0.5 * eps.square() - log_std - 0.5 * math.log(2 * math.pi)
                 - torch.log(actor.scale * (1 - y.square()) + 1e-6)).sum(-1)
@@ -122,11 +121,10 @@ def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
                          np.array([2.0], np.float32), torch.device("cpu"))
     obs = torch.randn(256, 3)
     params = [*learner.actor.parameters(), learner.log_alpha]
-    torch.manual_seed(1)
-    loss, metrics = learner.actor_loss(obs)
+    eps = learner.noise(256)  # (the same noise for the two losses apart)
+    loss, metrics = learner.actor_loss(obs, eps)
     folded = torch.autograd.grad(loss, params)
-    torch.manual_seed(1)  # the same noise: the two losses apart
-    actions, log_prob = learner.actor.sample(obs)
+    actions, log_prob = learner.actor.sample(obs, eps)
     q = learner.critics.q_values(obs, actions).min(0).values
     actor_loss = (learner.log_alpha.detach().exp() * log_prob - q).mean()
     alpha_loss = -(learner.log_alpha.exp() * (log_prob.detach()
