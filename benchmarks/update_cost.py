@@ -1,10 +1,13 @@
-"""Per-update cost of fast_sac.py's Learner at a small batch, where Python and launch
-overhead show, against an older checkout's, interleaved in one process.
+"""Per-update cost of a script's Learner (fast_sac.py by default) against an older
+checkout's, interleaved in one process: at a small batch, where Python and launch overhead
+show, or at the CPU recipe's sizes with its fast path.
 
     git archive 0b3bc0f | tar -x -C /tmp/before
     python benchmarks/update_cost.py --before /tmp/before --batch 16 --hidden 32
+    python benchmarks/update_cost.py --before /tmp/before --batch 256 --hidden 256 \
+        --updates-per-iter 8 --compile --amp --script fast_td3
 
-Both learners train on the same random batch (Humanoid-v5 sizes, eager, one torch thread);
+Both learners train on the same random batch (Humanoid-v5 sizes, one torch thread);
 the figure is the thread's CPU time per update (median over --repeats), which other
 processes sharing the cores disturb far less than wall time. Prints one JSON line.
 """
@@ -17,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,11 +33,13 @@ sys.path.insert(0, ROOT)
 @dataclass
 class Bench:
     before: str
-    """root of the older checkout (its fast_sac.py is loaded beside this one's)"""
+    """root of the older checkout (its script is loaded beside this one's)"""
+    script: Literal["fast_sac", "fast_td3"] = "fast_sac"
     batch: int = 16
     hidden: int = 32
     updates_per_iter: int = 32
     amp: bool = False
+    compile: bool = False
     repeats: int = 30
     """timings per learner (3 iterations each), interleaved"""
 
@@ -50,12 +56,12 @@ def main(b: Bench) -> None:
     torch.set_num_threads(1)
     learners = {}
     for name, root in (("before", b.before), ("after", ROOT)):
-        fs = load(f"fast_sac_{name}", os.path.join(root, "fast_sac.py"))
+        fs = load(f"{b.script}_{name}", os.path.join(root, f"{b.script}.py"))
         torch.manual_seed(0)
         args = fs.resolve_args(fs.Args(
             env="Humanoid-v5", device="cpu", batch_size=b.batch,
             updates_per_iter=b.updates_per_iter, actor_hidden=b.hidden, critic_hidden=b.hidden,
-            compile=False, amp=b.amp, prefetch=False), check_shm=False)
+            compile=b.compile, amp=b.amp, prefetch=False), check_shm=False)
         obs_dim, act_dim, low, high = fs.env_dims(args.env)
         learners[name] = fs.Learner(args, obs_dim, act_dim, low, high, torch.device("cpu"))
     g, n = torch.Generator().manual_seed(0), b.batch * b.updates_per_iter
@@ -74,7 +80,8 @@ def main(b: Bench) -> None:
                 learner.train_iteration(batch)
             ms[name].append((time.thread_time() - t0) / (3 * b.updates_per_iter) * 1000)
     med = {name: round(float(np.median(v)), 4) for name, v in ms.items()}
-    print(json.dumps({"batch": b.batch, "hidden": b.hidden, "amp": b.amp,
+    print(json.dumps({"script": b.script, "batch": b.batch, "hidden": b.hidden,
+                      "compile": b.compile, "amp": b.amp,
                       "cpu_ms_per_update": med,
                       "after_over_before": round(med["after"] / med["before"], 3)}))
 
