@@ -509,7 +509,7 @@ class Learner:
         self.online_params = list(self.critics.parameters())
         self.target_params = list(self.critics_target.parameters())
         self.num_updates = 0
-        self.timeline, self.grad_norms = NO_TIMELINE, {}  # (train sets the timeline)
+        self.timeline = NO_TIMELINE  # (train sets it)
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
         if args.compile:  # (static shapes: every mini-batch has the same size)
             how = compile_settings(args, device)
@@ -548,7 +548,6 @@ class Learner:
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
         allreduce_grads(self, self.online_params)  # (the mean over the ranks)
-        self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
@@ -576,7 +575,6 @@ class Learner:
         self.alpha_opt.zero_grad(set_to_none=True)
         loss.backward()  # (the actor's and the temperature's gradients at once)
         allreduce_grads(self, [*self.actor.parameters(), self.log_alpha])
-        self.grad_norms["actor_grad_norm"] = grad_norm(self.actor.parameters())
         self.actor_opt.step()
         self.alpha_opt.step()
         self.critics.requires_grad_(True)
@@ -606,7 +604,11 @@ class Learner:
         out = {"qf_loss": torch.stack(qf_losses).mean(), "alpha": self.log_alpha.detach().exp()}
         for key in actor_metrics[0] if actor_metrics else ():
             out[key] = torch.stack([m[key] for m in actor_metrics]).mean()
-        out |= self.grad_norms  # (the last update's)
+        # the last update's gradient norms, once per iteration: its gradients are still
+        # there (each update clears only its own networks' gradients, at its start)
+        out["critic_grad_norm"] = grad_norm(self.online_params)
+        if actor_metrics:
+            out["actor_grad_norm"] = grad_norm(self.actor.parameters())
         return out
 
     @torch.no_grad()

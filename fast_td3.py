@@ -500,7 +500,7 @@ class Learner:
         self.online_params = list(self.critics.parameters())
         self.target_params = list(self.critics_target.parameters())
         self.num_updates = 0
-        self.timeline, self.grad_norms = NO_TIMELINE, {}  # (train sets the timeline)
+        self.timeline = NO_TIMELINE  # (train sets it)
         self.critic_loss_fn, self.actor_loss_fn = self.critic_loss, self.actor_loss
         if args.compile:  # (static shapes: every mini-batch has the same size)
             how = compile_settings(args, device)
@@ -537,7 +537,6 @@ class Learner:
             loss = self.critic_loss_fn(obs, actions, rewards, next_obs, discounts, eps)
         self.critic_opt.zero_grad(set_to_none=True)
         loss.backward()
-        self.grad_norms["critic_grad_norm"] = grad_norm(self.online_params)
         self.critic_opt.step()
         return loss.detach().clone()  # (a CUDA graph's output is overwritten at its replay)
 
@@ -552,7 +551,6 @@ class Learner:
             actor_loss = self.actor_loss_fn(obs)
         self.actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
-        self.grad_norms["actor_grad_norm"] = grad_norm(self.actor.parameters())
         self.actor_opt.step()
         self.critics.requires_grad_(True)
         return actor_loss.detach().clone()  # (see update_critic)
@@ -579,10 +577,13 @@ class Learner:
                 torch._foreach_lerp_(self.target_params, self.online_params, args.tau)
             mark = self.timeline.phase("learner/target_update", mark)
         out = {"qf_loss": torch.stack(qf_losses).mean()}
+        # the last update's gradient norms, once per iteration: its gradients are still
+        # there (each update clears only its own networks' gradients, at its start)
+        out["critic_grad_norm"] = grad_norm(self.online_params)
         if actor_losses:
             out["actor_loss"] = torch.stack(actor_losses).mean()
             out["qf_value"] = -out["actor_loss"]  # the actor's Q: how close to --v-max
-        out |= self.grad_norms  # (the last update's)
+            out["actor_grad_norm"] = grad_norm(self.actor.parameters())
         return out
 
     @torch.no_grad()

@@ -288,13 +288,36 @@ def _three_iterations(**flags):
     return {k: float(v) for k, v in metrics.items()}, learner
 
 
-@pytest.mark.slow
-def test_compiled_and_bf16_updates_agree_with_eager(monkeypatch):
-    """--compile computes the same updates (inductor's random numbers replaced by eager's
-    for the comparison); --amp stays close to float32."""
-    import torch._inductor.config as inductor_config
+def test_logged_grad_norms_are_those_of_the_last_updates():
+    """The gradient norms are read once per iteration, at its end: they equal the norms of
+    the last critic update's and the last actor update's gradients as each optimizer stepped
+    (5 updates, an actor update every 2nd: the last actor update is the 4th)."""
+    args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu", critic_hidden=32,
+                                   actor_hidden=32, num_atoms=11, batch_size=16,
+                                   updates_per_iter=5, compile=False, amp=False))
+    learner = fs.Learner(args, 3, 1, np.array([-2.0], np.float32), np.array([2.0], np.float32),
+                         torch.device("cpu"))
+    seen = {}
+    for name in ("critic", "actor"):
+        params = learner.online_params if name == "critic" else learner.actor.parameters()
+        params = list(params)
+        getattr(learner, f"{name}_opt").register_step_pre_hook(
+            lambda *_, name=name, params=params: seen.__setitem__(name, fs.grad_norm(params)))
+    g = torch.Generator().manual_seed(1)
+    batch = {"obs": torch.randn(80, 3, generator=g), "next_obs": torch.randn(80, 3, generator=g),
+             "actions": torch.rand(80, 1, generator=g) * 4 - 2,
+             "rewards": torch.randn(80, generator=g), "discounts": torch.full((80,), 0.9)}
+    for _ in range(2):
+        metrics = learner.train_iteration(batch)
+        assert torch.equal(metrics["critic_grad_norm"], seen["critic"])
+        assert torch.equal(metrics["actor_grad_norm"], seen["actor"])
+        assert seen["critic"] > 0 and seen["actor"] > 0
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
+
+@pytest.mark.slow
+def test_compiled_and_bf16_updates_agree_with_eager():
+    """--compile computes the same updates (it draws the same noise, eagerly: Learner.noise);
+    --amp stays close to float32."""
     eager, learner = _three_iterations(compile=False, amp=False)
     compiled, compiled_learner = _three_iterations(compile=True, amp=False)
     for k in eager:
