@@ -609,20 +609,6 @@ class Learner:
             out["actor_grad_norm"] = grad_norm(self.actor.parameters())
         return out
 
-    @torch.no_grad()
-    def diagnostics(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Read when logging is due (not per update), at the newest sample's raw `obs`: the
-        policy's standard deviation (of the Gaussian before tanh; mean over the batch and
-        the action dimensions) and the lowest and highest Q of both critics at its actions."""
-        x = self.actor.normalizer(obs)
-        q = self.critics.q_values(x, self.actor.sample(x, self.noise(x.shape[0]))[0])
-        return {"action_std": self.actor(x)[1].exp().mean(), "qf_min": q.min(),
-                "qf_max": q.max()}
-
-    def all_finite(self) -> bool:
-        tensors = [*self.actor.parameters(), *self.critics.parameters(), self.log_alpha]
-        return all(bool(torch.isfinite(t).all()) for t in tensors)
-
 
 # =======================================================================================
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
@@ -820,7 +806,7 @@ def log_iteration(run: Run, done: bool) -> None:
         tally["terminated" if terminated else "truncated"] += 1
         run.progress.recent.append(ret)
     if run.metrics is not None and (run.loop["iteration"] % 10 == 0 or done):
-        metrics = run.metrics | learner.diagnostics(run.last_obs)
+        metrics = run.metrics | diagnostics(learner, run.last_obs)
         for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
             writer.add_scalar(f"losses/{k}", v, step)
         if run.trace:  # (one device sync, only now)
@@ -851,6 +837,17 @@ def log_iteration(run: Run, done: bool) -> None:
             writer.add_scalar(tag, value, step)
         run.logged = dict(tally)
     timeline.phase("learner/log", mark)
+
+
+@torch.no_grad()
+def diagnostics(learner: Learner, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Read when logging is due (not per update), at the newest sample's raw `obs`: the
+    policy's standard deviation (of the Gaussian before tanh; mean over the batch and
+    the action dimensions) and the lowest and highest Q of both critics at its actions."""
+    x = learner.actor.normalizer(obs)
+    q = learner.critics.q_values(x, learner.actor.sample(x, learner.noise(x.shape[0]))[0])
+    return {"action_std": learner.actor(x)[1].exp().mean(), "qf_min": q.min(),
+            "qf_max": q.max()}
 
 
 def timers(run: Run) -> dict[str, float]:
@@ -947,6 +944,12 @@ def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates
         raise Diverged(f"non-finite loss {bad} at env step {global_step} (update {num_updates});"
                        " the last good checkpoint is kept. Lower the learning rates or check "
                        "the env's rewards and --v-min/--v-max")
+
+
+def all_finite(learner: Learner) -> bool:
+    """Whether the actor's and critics' parameters are all finite (checked before a save)."""
+    tensors = [*learner.actor.parameters(), *learner.critics.parameters()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def next_multiple(step: int, interval: int) -> float:
@@ -1132,7 +1135,7 @@ def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> 
     mark, step = run.learner.timeline.now(), run.loop["global_step"]
     name = name or f"checkpoint_{step}.pt"
     collector_state = run.collectors.snapshots() if snapshot is not None else None
-    if not run.learner.all_finite():
+    if not all_finite(run.learner):
         raise Diverged(f"non-finite parameters at env step {step}; the last good checkpoint "
                        "is kept")
     state = learner_state(run.learner) | {
