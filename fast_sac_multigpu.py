@@ -1069,12 +1069,6 @@ def check_finite(metrics: dict[str, torch.Tensor], global_step: int, num_updates
                        "the env's rewards and --v-min/--v-max")
 
 
-def all_finite(learner: Learner) -> bool:
-    """Whether the actor's and critics' parameters are all finite (checked before a save)."""
-    tensors = [*learner.actor.parameters(), *learner.critics.parameters()]
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
 def next_multiple(step: int, interval: int) -> float:
     """The first multiple of `interval` above `step` (inf when interval is 0: never)."""
     return (step // interval + 1) * interval if interval else math.inf
@@ -1249,6 +1243,13 @@ def load_learner(learner: Learner, state: dict) -> None:
     with torch.no_grad():
         learner.log_alpha.copy_(state["log_alpha"])
     learner.num_updates = state["num_updates"]
+
+
+def all_finite(learner: Learner) -> bool:
+    """Whether every tensor an optimizer updates is finite (checked before a save)."""
+    tensors = [p for k in LEARNER_STATE if k.endswith("_opt")
+               for group in getattr(learner, k).param_groups for p in group["params"]]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def save_checkpoint(run: Run, snapshot: int | None, name: str | None = None) -> str:
