@@ -255,7 +255,7 @@ class Normalizer(nn.Module):
         self.count.fill_(total)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (in place after the subtraction: the same numbers, 4x as fast on a learner's batch)
+        # (in place after the subtraction: the same numbers, up to 4x as fast on a learner's batch)
         return (x - self.mean).mul_(torch.rsqrt(self.var + 1e-8)).clamp_(-self.clip, self.clip)
 
 
