@@ -944,14 +944,14 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
     /tmp/torchinductor_$USER: later runs take seconds)."""
     t0, saved = time.perf_counter(), copy.deepcopy(learner_state(learner))
     cuda = learner.device.type == "cuda"
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     rows = learner.args.batch_size * learner.args.policy_frequency  # (the actor's turn too)
     shapes = batch_shapes(rows, learner.actor.normalizer.mean.shape[0], len(learner.actor.scale))
     try:
-        learner.train_iteration({k: torch.zeros(shape, device=learner.device)
-                                 for k, shape in shapes.items()})
-        if cuda:
-            torch.cuda.synchronize(learner.device)
+        with torch.random.fork_rng([learner.device] if cuda else []):  # (puts the RNG back)
+            learner.train_iteration({k: torch.zeros(shape, device=learner.device)
+                                     for k, shape in shapes.items()})
+            if cuda:
+                torch.cuda.synchronize(learner.device)
     except Exception as e:
         why = (f"--compile failed in the warm-up update ({type(e).__name__}: "
                f"{(str(e).strip().splitlines() or [''])[0][:300]})")
@@ -960,9 +960,6 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
         print(f"warning: {why}; going on without --compile and --amp", file=sys.stderr)
         return None
     load_learner(learner, saved)
-    torch.set_rng_state(rng[0])
-    if cuda:
-        torch.cuda.set_rng_state_all(rng[1])
     return time.perf_counter() - t0
 
 
