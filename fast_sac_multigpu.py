@@ -14,7 +14,6 @@ import contextlib
 import copy
 import dataclasses
 import difflib
-import glob
 import importlib.util
 import json
 import math
@@ -951,8 +950,6 @@ def finish_run(run: Run, status: str, message: str | None) -> None:
         print(f"warning: --trace: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     if run.collectors is not None:
         run.collectors.close()
-    for tmp in glob.glob(os.path.join(run.run_dir, "*.tmp")) if run.is_main else []:
-        os.remove(tmp)  # cut off by a second signal
     run.writer.close()
     if not run.is_main:
         return

@@ -20,7 +20,6 @@ import contextlib
 import copy
 import dataclasses
 import difflib
-import glob
 import importlib.util
 import json
 import math
@@ -871,8 +870,6 @@ def finish_run(run: Run, status: str, message: str | None) -> None:
         print(f"warning: --trace: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     if run.collectors is not None:
         run.collectors.close()
-    for tmp in glob.glob(os.path.join(run.run_dir, "*.tmp")):  # cut off by a second signal
-        os.remove(tmp)
     run.writer.close()
     loop, updates, tally = run.loop, run.learner.num_updates, run.tally
     collect_s = float(run.collectors.timing[COLLECT_S]) if run.collectors else 0.0

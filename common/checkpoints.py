@@ -18,15 +18,15 @@ import torch
 
 from common.collectors import ArgsError
 from common.replay import ReplayBuffer
+from common.shm import replacing
 
 
 def save(state: dict, run_dir: str, name: str, keep: int) -> None:
     """Write `state` to run_dir/name via a temporary file and a rename (a crash never leaves
     a half-written checkpoint), then remove all but the newest `keep` checkpoint_*.pt files
     and their replay files."""
-    path = os.path.join(run_dir, name)
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    with replacing(os.path.join(run_dir, name)) as f:
+        torch.save(state, f)
     for step in steps(run_dir)[:-keep]:
         for old in (f"checkpoint_{step}.pt", f"checkpoint_{step}.replay.npz"):
             with contextlib.suppress(FileNotFoundError):  # (the .pt first: a crash never

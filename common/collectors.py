@@ -53,7 +53,7 @@ from common.control import (
     Control,
 )
 from common.replay import Mirror, ReplayBuffer, batch_nbytes
-from common.shm import check_shm_space
+from common.shm import check_shm_space, replacing
 from common.trace import NO_RING_WRITER
 from common.weights import WeightSync
 
@@ -281,9 +281,10 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
             mark = trace.phase(T.LOAD_WEIGHTS, mark, loaded)
         if ctrl.snapshot_req > ctrl.snapshot_done and chunk >= ctrl.snapshot_chunk:
             # for a checkpoint: everything needed to collect this chunk and the rest
-            write_atomic(collector_state_file(run_dir, index), pickle.dumps(dict(
-                chunk=chunk, envs=capture_envs(envs), obs=obs, ep_return=ep_return,
-                ep_length=ep_length, ep_terms=ep_terms, policy=policy.state())))
+            with replacing(collector_state_file(run_dir, index)) as f:
+                pickle.dump(dict(chunk=chunk, envs=capture_envs(envs), obs=obs,
+                                 ep_return=ep_return, ep_length=ep_length, ep_terms=ep_terms,
+                                 policy=policy.state()), f)
             ctrl.snapshot_done = ctrl.snapshot_req
             mark = trace.phase(T.SNAPSHOT, mark)
         t0 = time.perf_counter()
@@ -389,13 +390,6 @@ def restore_envs(blob: bytes):
 
 def collector_state_file(run_dir: str, index: int) -> str:
     return os.path.join(run_dir, f".collector_state.{index}.pkl")
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write via a temporary file and rename, so `path` is never half-written."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------------------------------

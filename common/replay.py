@@ -17,14 +17,13 @@ the learner and moves sampled batches to the learner's device.
 from __future__ import annotations
 
 import math
-import os
 import time
 import zipfile
 
 import numpy as np
 import torch
 
-from common.shm import SharedArrays, nbytes_of
+from common.shm import SharedArrays, nbytes_of, replacing
 from common.trace import NO_TIMELINE
 
 FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated", "dones")
@@ -158,9 +157,8 @@ class ReplayBuffer:
     def save(self, path: str, written: int) -> None:
         """Write every row and the fill level `written` to `path` (.npz) atomically: via a
         temporary file and a rename, so a crash never leaves a half-written file."""
-        with open(path + ".tmp", "wb") as f:
+        with replacing(path) as f:
             np.savez(f, written=np.array(written), **{k: getattr(self, k) for k in FIELDS})
-        os.replace(path + ".tmp", path)
 
     @staticmethod
     def file_is_whole(path: str) -> bool:

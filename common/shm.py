@@ -7,6 +7,7 @@ concurrent writers of different arrays never share a cache line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -25,6 +26,21 @@ def _layout(specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[dict, i
         offsets[key] = (pos, tuple(shape), dtype)
         pos += -(-max(nbytes, 1) // ALIGN) * ALIGN
     return offsets, pos
+
+
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "wb"):
+    """A file to write `path` through: path.tmp, renamed to `path` once written whole, and
+    removed if writing stops early (an error, or a second Ctrl-C), so that neither a
+    half-written `path` nor a stray .tmp is ever left."""
+    try:
+        with open(path + ".tmp", mode) as f:
+            yield f
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        raise
 
 
 def nbytes_of(specs: dict) -> int:

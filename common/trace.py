@@ -19,6 +19,8 @@ import json
 import os
 import time
 
+from common.shm import replacing
+
 now_ns = time.monotonic_ns  # CLOCK_MONOTONIC on Linux: one clock for every process
 
 # a collector's phases, by the code it writes into its ring (the harness records them)
@@ -293,6 +295,5 @@ class Trace:
                 "otherData": {"clock": "CLOCK_MONOTONIC", "records_kept_per_track": self.keep,
                               "records_left_out": dropped, "collector_records_lost": self.lost,
                               **(extra or {})}}
-        with open(path + ".tmp", "w") as f:
+        with replacing(path, "w") as f:
             json.dump(data, f)
-        os.replace(path + ".tmp", path)
