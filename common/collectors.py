@@ -645,11 +645,10 @@ class Collectors:
             self.ctrl.stop_all()
         for proc in self.procs:
             _stop(proc)
-        for i in range(len(self.procs)):
-            try:
-                os.remove(collector_state_file(self.run_dir, i))
-            except FileNotFoundError:
-                pass
+        for i in range(len(self.procs)):  # (.tmp: from a collector killed while writing)
+            for suffix in ("", ".tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(collector_state_file(self.run_dir, i) + suffix)
         for mem in (self.rb, self.ws, self.ctrl):
             if mem is not None:
                 mem.close()

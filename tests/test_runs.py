@@ -168,6 +168,12 @@ def children(pid):
 @pytest.mark.parametrize("script", FAULT_SCRIPTS)
 def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     proc, run_dir = start_run(tmp_path, script, "--save-interval", "200")
+    # a checkpoint first: the first updates and the first save can fall in one iteration,
+    # and a collector killed while it writes its snapshot for that save leaves none
+    deadline = time.time() + 60
+    while not any(re.fullmatch(r"checkpoint_\d+\.pt", f) for f in os.listdir(run_dir)):
+        assert time.time() < deadline and proc.poll() is None, os.listdir(run_dir)
+        time.sleep(0.05)
     (collector,) = kids = children(proc.pid)
     os.kill(collector, signal.SIGKILL)
     t0 = time.time()
@@ -175,9 +181,10 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     assert time.time() - t0 < 30  # seconds, not a hang (generous for a loaded machine)
     assert proc.returncode != 0, (kids, err[-3000:])
     assert "collector failed" in err, (kids, err[-3000:])
-    assert read_summary(run_dir)["status"] == "failed"
+    assert read_summary(run_dir)["status"] == "failed", read_summary(run_dir)
     saved = [f for f in os.listdir(run_dir) if f.startswith("checkpoint_") and f.endswith(".pt")]
     assert saved, os.listdir(run_dir)  # the latest checkpoint is intact: it loads
+    assert not [f for f in os.listdir(run_dir) if f.endswith(".tmp")], os.listdir(run_dir)
     newest = max(saved, key=lambda f: int(f.split("_")[1].split(".")[0]))
     assert torch.load(os.path.join(run_dir, newest), weights_only=False)["num_updates"] > 0
 
