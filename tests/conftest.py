@@ -1,5 +1,6 @@
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,12 @@ SMALL = ["--env", "Pendulum-v1", "--num-envs", "2", "--batch-size", "32", "--act
          "--steps-per-iter", "10", "--updates-per-iter", "2", "--buffer-size", "20000",
          "--eval-episodes", "1", "--eval-interval", "0", "--log-interval", "1",
          "--compile", "False", "--amp", "False"]
+
+
+def checkpoints(run_dir: str) -> list[int]:
+    """The env steps of run_dir's checkpoint_*.pt files, oldest first."""
+    return sorted(int(m.group(1)) for f in os.listdir(run_dir)
+                  if (m := re.fullmatch(r"checkpoint_(\d+)\.pt", f)))
 
 
 def shm_files() -> set[str]:

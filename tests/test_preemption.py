@@ -16,6 +16,7 @@ from conftest import (
     SMALL,
     assert_all_gone,
     assert_no_leak,
+    checkpoints,
     run_script,
     shm_files,
     wait_for_updates,
@@ -29,11 +30,6 @@ pytestmark = pytest.mark.slow  # (every test here runs and signals real jobs)
 
 EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
          "--save-replay"]
-
-
-def checkpoints(run_dir):
-    return sorted(int(m.group(1)) for f in os.listdir(run_dir)
-                  if (m := re.fullmatch(r"checkpoint_(\d+)\.pt", f)))
 
 
 def start(script, *flags):

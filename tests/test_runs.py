@@ -14,6 +14,7 @@ from conftest import (
     ROOT,
     SMALL,
     assert_all_gone,
+    checkpoints,
     run_script,
     shm_files,
     wait_for_updates,
@@ -171,7 +172,7 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     # a checkpoint first: the first updates and the first save can fall in one iteration,
     # and a collector killed while it writes its snapshot for that save leaves none
     deadline = time.time() + 60
-    while not any(re.fullmatch(r"checkpoint_\d+\.pt", f) for f in os.listdir(run_dir)):
+    while not checkpoints(run_dir):
         assert time.time() < deadline and proc.poll() is None, os.listdir(run_dir)
         time.sleep(0.05)
     (collector,) = kids = children(proc.pid)
@@ -182,11 +183,11 @@ def test_collector_killed_learner_exits_nonzero(script, tmp_path, no_shm_leak):
     assert proc.returncode != 0, (kids, err[-3000:])
     assert "collector failed" in err, (kids, err[-3000:])
     assert read_summary(run_dir)["status"] == "failed", read_summary(run_dir)
-    saved = [f for f in os.listdir(run_dir) if f.startswith("checkpoint_") and f.endswith(".pt")]
+    saved = checkpoints(run_dir)
     assert saved, os.listdir(run_dir)  # the latest checkpoint is intact: it loads
     assert not [f for f in os.listdir(run_dir) if f.endswith(".tmp")], os.listdir(run_dir)
-    newest = max(saved, key=lambda f: int(f.split("_")[1].split(".")[0]))
-    assert torch.load(os.path.join(run_dir, newest), weights_only=False)["num_updates"] > 0
+    newest = os.path.join(run_dir, f"checkpoint_{saved[-1]}.pt")
+    assert torch.load(newest, weights_only=False)["num_updates"] > 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
