@@ -232,23 +232,14 @@ def _poll(read, ctrl: Control, parent):
 
 
 def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, start):
+    """Collect chunk after chunk, each with the weights the sync mode names, until the last
+    one or a stop; a snapshot is written at the chunk the learner asks for."""
     mine = env_slice(args.num_envs, args.num_collectors, index)
     n, S = mine.stop - mine.start, args.steps_per_iter
     policy = make_policy(args, index, n)
     terms = reward_terms(make_env, args.env)
-    if start is None or "envs" not in start:  # fresh episodes (restarts get new seeds)
-        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
-        envs = make_env(args.env, n, seed)
-        obs, _ = envs.reset(seed=[seed + i for i in range(n)])
-        ep_return, ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
-        ep_terms = np.zeros((n, len(terms)))
-        first_chunk = (start or {}).get("chunk", 0)
-    else:  # continue exactly where a snapshot left off
-        envs = restore_envs(start["envs"])
-        obs, ep_return, ep_length = start["obs"], start["ep_return"], start["ep_length"]
-        ep_terms = start.get("ep_terms", np.zeros((n, len(terms))))
-        policy.restore(start["policy"])
-        first_chunk = start["chunk"]
+    envs, obs, ep_return, ep_length, ep_terms, first_chunk = _start_envs(
+        make_env, args, mine, policy, len(terms), start)
     # --trace: phases go to this collector's ring in the Control block (nothing when off)
     trace = ctrl.trace_writer() if args.trace else NO_RING_WRITER
     loaded, window = -1, async_window_chunks(args)
@@ -294,13 +285,7 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
             mark = trace.phase(T.ACT, mark)
             next_obs, reward, terminated, truncated, info = envs.step(action)
             done = terminated | truncated
-            real_next = next_obs
-            if done.any():
-                # next_obs is already the reset observation; the transition must end at
-                # the true final one. Truncated episodes still bootstrap from it.
-                real_next = next_obs.copy()
-                for i in np.flatnonzero(info["_final_obs"]):
-                    real_next[i] = info["final_obs"][i]
+            real_next = _final_obs(next_obs, done, info)
             if terms:
                 ep_terms += step_reward_terms(info, terms, n)
             mark = trace.phase(T.ENV_STEP, mark)
@@ -325,6 +310,34 @@ def _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, 
         if parent is not None and not parent.is_alive():
             raise LearnerGone("learner process exited")
     envs.close()
+
+
+def _start_envs(make_env, args, mine: slice, policy, num_terms: int, start: dict | None):
+    """The envs this collector steps, their observations, the running episodes' sums
+    (return, length, reward terms) and the first chunk to collect: fresh episodes (a
+    restart's envs get new seeds), or exactly where a snapshot left off."""
+    n = mine.stop - mine.start
+    if start is None or "envs" not in start:
+        seed = args.seed * 10_000 + 1000 * (start or {}).get("restart", 0) + mine.start
+        envs = make_env(args.env, n, seed)
+        obs, _ = envs.reset(seed=[seed + i for i in range(n)])
+        return (envs, obs, np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros((n, num_terms)),
+                (start or {}).get("chunk", 0))
+    policy.restore(start["policy"])
+    return (restore_envs(start["envs"]), start["obs"], start["ep_return"], start["ep_length"],
+            start.get("ep_terms", np.zeros((n, num_terms))), start["chunk"])
+
+
+def _final_obs(next_obs: np.ndarray, done: np.ndarray, info: dict) -> np.ndarray:
+    """The observations a step's transitions end at: where an episode ended, next_obs is
+    already the reset observation, and the true final one (which a truncated episode still
+    bootstraps from) is in info."""
+    if not done.any():
+        return next_obs
+    real_next = next_obs.copy()
+    for i in np.flatnonzero(info["_final_obs"]):
+        real_next[i] = info["final_obs"][i]
+    return real_next
 
 
 def reward_terms(make_env, env_id: str) -> list[str]:
