@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import gymnasium as gym
 import numpy as np
@@ -42,6 +42,7 @@ from common.collectors import (
     Collectors,
     Interrupted,
     StopRequest,
+    available_cores,
     check_sizes,
     default_learner_threads,
     default_num_collectors,
@@ -71,8 +72,8 @@ class Args:
     """discount factor"""
     tau: float = 0.01
     """soft target update rate: target <- target + tau * (online - target)"""
-    n_step: int | None = None
-    """n-step returns, stopped at episode ends (None: N_STEP, per env family)"""
+    n_step: Annotated[int | None, default("N_STEP: 3 on Hopper and Walker2d, else 1")] = None
+    """n-step returns, stopped at episode ends"""
     actor_lr: float = 3e-4
     """actor learning rate (AdamW)"""
     critic_lr: float = 3e-4
@@ -83,8 +84,9 @@ class Args:
     """AdamW weight decay of actor and critics"""
     alpha_init: float = 0.1
     """initial entropy temperature"""
-    target_entropy: float | None = None
-    """entropy target, nats per action dimension in the [-1, 1] box (None: TARGET_ENTROPY)"""
+    target_entropy: Annotated[float | None, default("TARGET_ENTROPY: 0.42 on the Humanoids, "
+                                                    "else -0.5")] = None
+    """entropy target, nats per action dimension in the [-1, 1] box"""
     log_std_min: float = -5.0
     """lower bound of the actor's log standard deviation"""
     log_std_max: float = 1.0
@@ -93,47 +95,53 @@ class Args:
     """clipped double Q: target and actor use the lower critic; off: the mean of both"""
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
-    v_min: float | None = None
-    """lowest value of the critics' support (None: VALUE_RANGES, else see ReturnRange)"""
-    v_max: float | None = None
-    """highest value of the critics' support (None: like --v-min)"""
+    v_min: Annotated[float | None, default("VALUE_RANGES per env family; an env it lacks: "
+                                           "the returns seen, see ReturnRange")] = None
+    """lowest value of the critics' support"""
+    v_max: Annotated[float | None, default("as --v-min")] = None
+    """highest value of the critics' support"""
 
-    # sizes; None: the recipe for the learner's device (CPU_RECIPE, GPU_RECIPE)
-    num_envs: int | None = None
+    # sizes: the recipe for the learner's device (CPU_RECIPE, GPU_RECIPE) unless given
+    num_envs: Annotated[int | None, recipe("num_envs")] = None
     """parallel environments, all collectors together"""
-    buffer_size: int | None = None
+    buffer_size: Annotated[int | None, recipe("buffer_size")] = None
     """replay capacity in transitions, all envs together"""
-    batch_size: int | None = None
-    """transitions per gradient update and rank (N ranks: N times as many per update)"""
-    learning_starts: int | None = None
-    """environment steps (all nodes together) of random actions before the first update"""
-    steps_per_iter: int | None = None
+    batch_size: Annotated[int | None, recipe("batch_size")] = None
+    """transitions per gradient update"""
+    learning_starts: Annotated[int | None, recipe("learning_starts")] = None
+    """environment steps of uniform random actions before the first update"""
+    steps_per_iter: Annotated[int | None, recipe("steps_per_iter")] = None
     """environment steps per env between learner iterations"""
-    updates_per_iter: int | None = None
+    updates_per_iter: Annotated[int | None, recipe("updates_per_iter")] = None
     """gradient updates per learner iteration"""
-    actor_hidden: int | None = None
+    actor_hidden: Annotated[int | None, recipe("actor_hidden")] = None
     """width of the actor's first layer; later layers halve it"""
-    critic_hidden: int | None = None
+    critic_hidden: Annotated[int | None, recipe("critic_hidden")] = None
     """width of the critics' first layer; later layers halve it"""
 
     # how the run is kept
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where the learner runs (auto: cuda when available); collectors always use the CPU"""
     sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
-    """lockstep: collect, then learn; pipelined: collect chunk i+1 while learning on chunk i"""
-    num_collectors: int | None = None
-    """collector processes, each stepping a slice of the envs (None: by the machine's cores)"""
+    """lockstep: collect, then learn; pipelined: collect chunk i+1 while learning on chunk i
+    (both deterministic); async: collectors run freely (not deterministic)"""
+    num_collectors: Annotated[int | None, default(
+        "CPU learner: 1 on up to 4 cores, else a quarter of them; GPU: the cores left after "
+        "one per learner rank and one more; at most --num-envs / 4")] = None
+    """collector processes, each stepping a slice of the envs"""
     run_dir: str | None = None
     """output folder (None: runs/{env}__{script}__{seed}__{timestamp})"""
-    save_interval: int = 0
-    """env steps between checkpoints; 0 saves only model_final.pt"""
+    save_interval: int = 100_000
+    """env steps between checkpoints (each with the collectors' state), so that --resume auto
+    continues after a crash; 0: only a signal's checkpoint and model_final.pt"""
     keep_checkpoints: int = 2
     """checkpoint_*.pt files kept (with their replay files); model_final.pt always stays"""
     save_replay: bool = False
     """store the replay buffer with each checkpoint, so that a resumed run continues exactly"""
     resume: str | None = None
-    """run dir or checkpoint to continue (flags given now override its arguments); auto:
-    --run-dir's newest complete checkpoint if it has one, else a fresh start"""
+    """run dir or checkpoint to continue with its arguments; flags given now override them
+    (not the run's shapes, RESUME_FIXED), and the machine's settings (MACHINE) are resolved
+    again; auto: --run-dir's newest complete checkpoint, else a fresh start"""
     restart_collector: bool = False
     """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_interval: int = 50_000
@@ -159,19 +167,22 @@ class Args:
     trace_events: int = 40_000
     """--trace: records kept per process, the first half and the newest half"""
 
-    # speed; None: on with a CUDA learner, on a CPU as fast_path_default says
-    compile: bool | None = None
+    # speed: resolved for the machine unless given (the run prints what it chose, and why)
+    compile: Annotated[bool | None, default(
+        "on with CUDA; on a CPU with native bf16 and a C++ compiler, for 10,000 updates or "
+        "more (fast_path_default), else off")] = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
     """with --compile on CUDA: capture the compiled losses in CUDA graphs"""
-    amp: bool | None = None
+    amp: Annotated[bool | None, default("on with CUDA; on a CPU where --compile's default is "
+                                        "on, unless --compile False")] = None
     """bf16 autocast in the update steps (the output layers stay float32)"""
-    prefetch: bool | None = None
+    prefetch: Annotated[bool | None, default("on with CUDA, else off")] = None
     """gather the next iteration's batch while this one trains"""
-    replay_mirror: bool | None = None
+    replay_mirror: Annotated[bool | None, default("on with CUDA, else off")] = None
     """keep a copy of the replay buffer in the learner's device memory and sample there"""
-    learner_threads: int | None = None
-    """torch threads of the learner on a CPU (None: the cores the collectors leave free)"""
+    learner_threads: Annotated[int | None, default("the cores the collectors leave")] = None
+    """torch threads of the learner on a CPU"""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto is nccl with CUDA, gloo otherwise"""
     dist_timeout: float = 1800.0
@@ -429,8 +440,8 @@ class ReturnRange:
         return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
 
     def load(self, state: dict, episodes_continue: bool) -> None:
-        """Restore a checkpoint's range; the sums only when the episodes continue (their
-        rows are in the restored replay)."""
+        """Restore a checkpoint's range; the running sums only when the collectors continue
+        their episodes (from their snapshots, with or without the replay file)."""
         self.lo, self.hi = state["lo"], state["hi"]
         if episodes_continue:
             self.g = state["g"].copy()
@@ -628,7 +639,7 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None,
     """
     stop = StopRequest()
     try:
-        run = Run(args, info, defaulted)
+        run = Run(args, info, defaulted, resume and resume["global_step"])
     except ArgsError as e:  # (--compile: its warm-up failed)
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -734,7 +745,8 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None,
 class Run:
     """One training job's parts and counters, which the loop's helpers share."""
 
-    def __init__(self, args: Args, info: D.DistInfo, defaulted: frozenset = frozenset()):
+    def __init__(self, args: Args, info: D.DistInfo, defaulted: frozenset = frozenset(),
+                 start: int = 0):
         """The learner (compiled and warmed up: a failure stops here, before any process or
         file exists, unless --compile was a default: then every rank goes on eager), the run
         dir, TensorBoard (rank 0), the progress line and --trace."""
@@ -762,7 +774,7 @@ class Run:
         self.run_dir = D.share_with_node(info, "run_dir", {"run_dir": run_dir})["run_dir"]
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
-        self.writer = make_writer(args, self.run_dir) if self.is_main else NoWriter()
+        self.writer = make_writer(args, self.run_dir, start) if self.is_main else NoWriter()
         self.progress = Progress(dataclasses.replace(args, quiet=args.quiet or not self.is_main),
                                  f" | compiled in {compile_s:.0f}s" if compile_s else "")
         # --trace: this rank's timeline and, on a node's local rank 0, its collectors'
@@ -1119,11 +1131,12 @@ def compile_settings(args: Args, device: torch.device) -> dict:
 # Logging and evaluation
 
 
-def make_writer(args: Args, run_dir: str):
-    """TensorBoard (and wandb with --track), with the arguments as a text table."""
+def make_writer(args: Args, run_dir: str, start: int = 0):
+    """TensorBoard (and wandb with --track), with the arguments as a text table. A resumed
+    run (from env step `start`) hides the events its failed run wrote after that step."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir, purge_step=start or None)
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     if args.track:
@@ -1289,8 +1302,10 @@ def restore(ckpt: dict, run: Run) -> list[dict]:
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     loop = run.loop
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
+    if run.info.node_rank > 0:  # (the snapshots are node 0's: other nodes start new episodes)
+        ckpt = ckpt | {"collector": None}
     if run.value_range is not None and ckpt.get("value_range"):
-        run.value_range.load(ckpt["value_range"], episodes_continue=bool(ckpt["replay"]))
+        run.value_range.load(ckpt["value_range"], ckpt["collector"] is not None)
     if run.is_main:
         print(f"resuming {ckpt['path']} at env step {loop['global_step']:,}", flush=True)
     starts, floor = run.collectors.resume(ckpt)
@@ -1352,7 +1367,7 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     # the fast path: all on with CUDA; on a CPU --compile where it pays (fast_path_default)
     # and --amp with it (bf16 was measured compiled), while prefetching and the device
     # mirror serve a GPU only
-    cpu_fast = device == "cpu" and fast_path_default(args)
+    cpu_fast = device == "cpu" and fast_path_default(args)[0]
     for flag in ("compile", "amp"):
         if getattr(args, flag) is None:
             setattr(args, flag, device == "cuda" or (cpu_fast and args.compile is not False))
@@ -1365,17 +1380,48 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
     return args
 
 
-def fast_path_default(args: Args) -> bool:
-    """--compile and --amp's default for a CPU learner: on where the CPU multiplies bf16
-    natively (AMX or AVX512-BF16, as torch reads its flags) and a C++ compiler is there for
-    torch.compile, for runs of 10,000 updates or more (the first compile takes about a
-    minute, which a shorter run would not win back). Off elsewhere: the CPU path as before."""
+def fast_path_default(args: Args) -> tuple[bool, str]:
+    """--compile and --amp's default for a CPU learner, and why: on where the CPU multiplies
+    bf16 natively (AMX or AVX512-BF16, as torch reads its flags) and a C++ compiler is there
+    for torch.compile, for runs of 10,000 updates or more (the first compile takes about a
+    minute, which a shorter run would not win back). Off elsewhere: eager float32."""
     chunks = (args.total_timesteps - args.learning_starts) // max(
         1, args.num_envs * args.steps_per_iter)
     native = any(getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)()
                  for isa in ("amx_tile", "avx512_bf16"))
     compiler = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")
-    return chunks * args.updates_per_iter >= 10_000 and native and compiler is not None
+    if not native:
+        return False, "this CPU has no native bf16 (AMX or AVX512-BF16)"
+    if compiler is None:
+        return False, "no C++ compiler for torch.compile (g++ or clang++, or $CXX)"
+    if chunks * args.updates_per_iter < 10_000:
+        return False, "under 10,000 updates: a first compile would not pay"
+    return True, "native bf16 and a C++ compiler"
+
+
+def settings_line(args: Args, defaulted: frozenset) -> str:
+    """What was resolved for this machine, and why the speed path; printed at the start."""
+    why = ("given" if "compile" not in defaulted else "CUDA" if args.device == "cuda"
+           else fast_path_default(args)[1])
+    threads = args.learner_threads or default_learner_threads(args.num_collectors)
+    return (f"{SCRIPT} on {args.device} ({available_cores()} cores): {args.num_envs} envs in "
+            f"{args.num_collectors} collector(s), batch {args.batch_size} x "
+            f"{args.updates_per_iter} updates per {args.steps_per_iter} steps of each env, actor "
+            f"{args.actor_hidden}, critics {args.critic_hidden}, "
+            + (f"{threads} learner thread(s), " if args.device == "cpu" else "")
+            + f"{'compiled' if args.compile else 'eager'} {'bf16' if args.amp else 'float32'} "
+            f"({why}), prefetch {args.prefetch}, replay mirror {args.replay_mirror}")
+
+def default(text: str):
+    """--help's "(default: ...)" for a field that resolve_args fills for the machine."""
+    import tyro
+
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+def recipe(name: str):
+    """--help's default of a recipe size: its CPU and GPU values."""
+    cpu, gpu = CPU_RECIPE[name], GPU_RECIPE[name]
+    return default(f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}")
 
 
 def resolve_env_id(name: str) -> str:
@@ -1457,6 +1503,8 @@ def main(argv=None) -> int:
     except (ArgsError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if info.rank == 0 and not args.quiet:
+        print(settings_line(args, defaulted), flush=True)
     code = 1
     try:
         code = train(args, info, resume, defaulted)

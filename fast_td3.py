@@ -30,7 +30,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import gymnasium as gym
 import numpy as np
@@ -45,6 +45,7 @@ from common.collectors import (
     Collectors,
     Interrupted,
     StopRequest,
+    available_cores,
     check_sizes,
     default_learner_threads,
     default_num_collectors,
@@ -94,47 +95,53 @@ class Args:
     """clipped double Q: the target uses the lower critic; off: the mean of both"""
     num_atoms: int = 101
     """atoms of the distributional (C51) critics"""
-    v_min: float | None = None
-    """lowest value of the critics' support (None: VALUE_RANGES, else see ReturnRange)"""
-    v_max: float | None = None
-    """highest value of the critics' support (None: like --v-min)"""
+    v_min: Annotated[float | None, default("VALUE_RANGES per env family; an env it lacks: "
+                                           "the returns seen, see ReturnRange")] = None
+    """lowest value of the critics' support"""
+    v_max: Annotated[float | None, default("as --v-min")] = None
+    """highest value of the critics' support"""
 
-    # sizes; None: the recipe for the learner's device (CPU_RECIPE, GPU_RECIPE)
-    num_envs: int | None = None
+    # sizes: the recipe for the learner's device (CPU_RECIPE, GPU_RECIPE) unless given
+    num_envs: Annotated[int | None, recipe("num_envs")] = None
     """parallel environments, all collectors together"""
-    buffer_size: int | None = None
+    buffer_size: Annotated[int | None, recipe("buffer_size")] = None
     """replay capacity in transitions, all envs together"""
-    batch_size: int | None = None
+    batch_size: Annotated[int | None, recipe("batch_size")] = None
     """transitions per gradient update"""
-    learning_starts: int | None = None
+    learning_starts: Annotated[int | None, recipe("learning_starts")] = None
     """environment steps of uniform random actions before the first update"""
-    steps_per_iter: int | None = None
+    steps_per_iter: Annotated[int | None, recipe("steps_per_iter")] = None
     """environment steps per env between learner iterations"""
-    updates_per_iter: int | None = None
+    updates_per_iter: Annotated[int | None, recipe("updates_per_iter")] = None
     """gradient updates per learner iteration"""
-    actor_hidden: int | None = None
+    actor_hidden: Annotated[int | None, recipe("actor_hidden")] = None
     """width of the actor's first layer; later layers halve it"""
-    critic_hidden: int | None = None
+    critic_hidden: Annotated[int | None, recipe("critic_hidden")] = None
     """width of the critics' first layer; later layers halve it"""
 
     # how the run is kept
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where the learner runs (auto: cuda when available); collectors always use the CPU"""
     sync_mode: Literal["lockstep", "pipelined", "async"] = "pipelined"
-    """lockstep: collect, then learn; pipelined: collect chunk i+1 while learning on chunk i"""
-    num_collectors: int | None = None
-    """collector processes, each stepping a slice of the envs (None: by the machine's cores)"""
+    """lockstep: collect, then learn; pipelined: collect chunk i+1 while learning on chunk i
+    (both deterministic); async: collectors run freely (not deterministic)"""
+    num_collectors: Annotated[int | None, default(
+        "CPU learner: 1 on up to 4 cores, else a quarter of them; GPU: the cores left after "
+        "one per learner rank and one more; at most --num-envs / 4")] = None
+    """collector processes, each stepping a slice of the envs"""
     run_dir: str | None = None
     """output folder (None: runs/{env}__{script}__{seed}__{timestamp})"""
-    save_interval: int = 0
-    """env steps between checkpoints; 0 saves only model_final.pt"""
+    save_interval: int = 100_000
+    """env steps between checkpoints (each with the collectors' state), so that --resume auto
+    continues after a crash; 0: only a signal's checkpoint and model_final.pt"""
     keep_checkpoints: int = 2
     """checkpoint_*.pt files kept (with their replay files); model_final.pt always stays"""
     save_replay: bool = False
     """store the replay buffer with each checkpoint, so that a resumed run continues exactly"""
     resume: str | None = None
-    """run dir or checkpoint to continue (flags given now override its arguments); auto:
-    --run-dir's newest complete checkpoint if it has one, else a fresh start"""
+    """run dir or checkpoint to continue with its arguments; flags given now override them
+    (not the run's shapes, RESUME_FIXED), and the machine's settings (MACHINE) are resolved
+    again; auto: --run-dir's newest complete checkpoint, else a fresh start"""
     restart_collector: bool = False
     """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_interval: int = 50_000
@@ -160,19 +167,19 @@ class Args:
     trace_events: int = 40_000
     """--trace: records kept per process, the first half and the newest half"""
 
-    # speed; None: on with a CUDA learner, off on a CPU (docs/performance.md)
-    compile: bool | None = None
+    # speed: resolved for the machine unless given (the run prints what it chose, and why)
+    compile: Annotated[bool | None, default("on with CUDA, else off")] = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
     """with --compile on CUDA: capture the compiled losses in CUDA graphs"""
-    amp: bool | None = None
+    amp: Annotated[bool | None, default("on with CUDA, else off")] = None
     """bf16 autocast in the update steps (the output layers stay float32)"""
-    prefetch: bool | None = None
+    prefetch: Annotated[bool | None, default("on with CUDA, else off")] = None
     """gather the next iteration's batch while this one trains"""
-    replay_mirror: bool | None = None
+    replay_mirror: Annotated[bool | None, default("on with CUDA, else off")] = None
     """keep a copy of the replay buffer in the learner's device memory and sample there"""
-    learner_threads: int | None = None
-    """torch threads of the learner on a CPU (None: the cores the collectors leave free)"""
+    learner_threads: Annotated[int | None, default("the cores the collectors leave")] = None
+    """torch threads of the learner on a CPU"""
 
 
 # Support [v_min, v_max] of the C51 critics per env family: the discounted returns (about a
@@ -409,8 +416,8 @@ class ReturnRange:
         return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
 
     def load(self, state: dict, episodes_continue: bool) -> None:
-        """Restore a checkpoint's range; the sums only when the episodes continue (their
-        rows are in the restored replay)."""
+        """Restore a checkpoint's range; the running sums only when the collectors continue
+        their episodes (from their snapshots, with or without the replay file)."""
         self.lo, self.hi = state["lo"], state["hi"]
         if episodes_continue:
             self.g = state["g"].copy()
@@ -601,7 +608,7 @@ def train(args: Args, resume: dict | None = None, defaulted: frozenset = frozens
     """
     stop = StopRequest()
     try:
-        run = Run(args, defaulted)
+        run = Run(args, defaulted, resume and resume["global_step"])
     except ArgsError as e:  # (--compile: its warm-up failed)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -687,7 +694,7 @@ def train(args: Args, resume: dict | None = None, defaulted: frozenset = frozens
 class Run:
     """One training job's parts and counters, which the loop's helpers share."""
 
-    def __init__(self, args: Args, defaulted: frozenset = frozenset()):
+    def __init__(self, args: Args, defaulted: frozenset = frozenset(), start: int = 0):
         """The learner (compiled and warmed up: a failure stops here, before any process or
         file exists, unless --compile was a default: then the run goes on eager), the run
         dir, TensorBoard, the progress line and --trace."""
@@ -708,7 +715,7 @@ class Run:
         self.run_dir = args.run_dir or (f"runs/{args.env}__{SCRIPT}__{args.seed}__"
                                         f"{time.strftime('%Y%m%d-%H%M%S')}")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.writer = make_writer(args, self.run_dir)
+        self.writer = make_writer(args, self.run_dir, start)
         self.progress = Progress(args, f" | compiled in {compile_s:.0f}s" if compile_s else "")
         # --trace: this process's timeline and its collectors' (NO_TIMELINE: records nothing)
         self.trace = Trace(args.trace_events, cuda=device.type == "cuda") if args.trace else None
@@ -974,11 +981,12 @@ def compile_settings(args: Args, device: torch.device) -> dict:
 # Logging and evaluation
 
 
-def make_writer(args: Args, run_dir: str):
-    """TensorBoard (and wandb with --track), with the arguments as a text table."""
+def make_writer(args: Args, run_dir: str, start: int = 0):
+    """TensorBoard (and wandb with --track), with the arguments as a text table. A resumed
+    run (from env step `start`) hides the events its failed run wrote after that step."""
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir, purge_step=start or None)
     table = "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     if args.track:
@@ -1139,7 +1147,7 @@ def restore(ckpt: dict, run: Run) -> list[dict]:
     loop = run.loop
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
     if run.value_range is not None and ckpt.get("value_range"):
-        run.value_range.load(ckpt["value_range"], episodes_continue=bool(ckpt["replay"]))
+        run.value_range.load(ckpt["value_range"], ckpt["collector"] is not None)
     print(f"resuming {ckpt['path']} at env step {loop['global_step']:,}", flush=True)
     starts, floor = run.collectors.resume(ckpt)
     if floor is not None:  # no replay file: the buffer refills before updates go on
@@ -1192,6 +1200,37 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         args.num_collectors = default_num_collectors(device, args.num_envs)
     check_args(args, check_shm)
     return args
+
+
+def fast_path_default(args: Args) -> tuple[bool, str]:
+    """--compile and --amp stay off on a CPU learner: fast_td3 compiled in bf16 did not stand
+    on Humanoid more often than eager (docs/performance.md, "The defaults on a CPU")."""
+    return False, "fast_td3 keeps eager float32 on a CPU"
+
+
+def settings_line(args: Args, defaulted: frozenset) -> str:
+    """What was resolved for this machine, and why the speed path; printed at the start."""
+    why = ("given" if "compile" not in defaulted else "CUDA" if args.device == "cuda"
+           else fast_path_default(args)[1])
+    threads = args.learner_threads or default_learner_threads(args.num_collectors)
+    return (f"{SCRIPT} on {args.device} ({available_cores()} cores): {args.num_envs} envs in "
+            f"{args.num_collectors} collector(s), batch {args.batch_size} x "
+            f"{args.updates_per_iter} updates per {args.steps_per_iter} steps of each env, actor "
+            f"{args.actor_hidden}, critics {args.critic_hidden}, "
+            + (f"{threads} learner thread(s), " if args.device == "cpu" else "")
+            + f"{'compiled' if args.compile else 'eager'} {'bf16' if args.amp else 'float32'} "
+            f"({why}), prefetch {args.prefetch}, replay mirror {args.replay_mirror}")
+
+def default(text: str):
+    """--help's "(default: ...)" for a field that resolve_args fills for the machine."""
+    import tyro
+
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+def recipe(name: str):
+    """--help's default of a recipe size: its CPU and GPU values."""
+    cpu, gpu = CPU_RECIPE[name], GPU_RECIPE[name]
+    return default(f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}")
 
 
 def resolve_env_id(name: str) -> str:
@@ -1271,6 +1310,8 @@ def main(argv=None) -> int:
     except ArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.quiet:
+        print(settings_line(args, defaulted), flush=True)
     return train(args, resume, defaulted)
 
 

@@ -2,6 +2,10 @@ import copy
 import dataclasses
 import math
 import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -9,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 import fast_sac as fs
 from common.collectors import check_mirror_fits, collector_main, env_slice
@@ -353,8 +358,35 @@ def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
         monkeypatch.setattr(torch.cpu, f"_is_{isa}_supported", lambda: False)
     args = fs.resolve_args(long_run)
     assert not (args.compile or args.amp)  # today's CPU defaults
+    assert fs.fast_path_default(args) == (False, "this CPU has no native bf16 (AMX or "
+                                                 "AVX512-BF16)")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setenv("CXX", "no-such-compiler")
-    assert not fs.fast_path_default(args)
+    monkeypatch.setenv("PATH", "")  # (no g++ or clang++ either)
+    assert fs.fast_path_default(args) == (False, "no C++ compiler for torch.compile (g++ or "
+                                                 "clang++, or $CXX)")
+    # the line a run prints at its start says what was chosen and why
+    line = fs.settings_line(args, frozenset({"compile", "amp"}))
+    assert line.startswith("fast_sac on cpu (") and "8 envs in 1 collector(s)" in line
+    assert "batch 256 x 8 updates per 8 steps of each env, actor 256, critics 256" in line
+    assert "eager float32 (no C++ compiler for torch.compile" in line
+
+
+@pytest.mark.parametrize("script", ["fast_sac.py", "fast_td3.py", "fast_sac_multigpu.py"])
+def test_help_shows_what_each_machine_dependent_default_becomes(script):
+    """--help says what a field that resolve_args fills becomes (a recipe size its CPU and
+    GPU values), never a bare None."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, COLUMNS="200"))
+    assert res.returncode == 0, res.stderr
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", res.stdout).split())
+    assert text.count("(default: None)") == 3, text  # --run-dir, --resume, --checkpoint
+    for name, cpu in fs.CPU_RECIPE.items():
+        gpu = fs.GPU_RECIPE[name]
+        shown = f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}"
+        assert f"(default: {shown})" in text, name
+    assert "(default: 100000)" in text  # --save-interval
 
 
 def test_cpp_wrapper_only_on_a_cpu_with_python_headers(monkeypatch, tmp_path):

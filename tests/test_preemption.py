@@ -26,6 +26,8 @@ from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pi
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary
 
+import fast_sac
+
 pytestmark = pytest.mark.slow  # (every test here runs and signals real jobs)
 
 EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
@@ -135,6 +137,33 @@ def test_second_signal_aborts_and_keeps_previous_checkpoint(tmp_path, no_shm_lea
     res = run_script("fast_sac.py", "--resume", run, "--total-timesteps", str(newest + 400))
     assert res.returncode == 0, res.stderr[-3000:]
     assert read_summary(run)["total_env_steps"] == newest + 400
+
+
+def test_default_checkpoints_let_resume_auto_continue_after_sigkill(tmp_path, no_shm_leak):
+    """With the default --save-interval, a learner killed outright (no handler runs: an OOM
+    kill, a lost node) leaves its newest periodic checkpoint, and the same command with
+    --resume auto continues from it. Its collectors see the learner gone and remove the
+    shared memory themselves."""
+    run = str(tmp_path / "run")
+    interval = fast_sac.Args().save_interval
+    # (many env steps per iteration and tiny updates: 100k env steps in seconds)
+    cmd = [*SMALL, "--num-envs", "8", "--steps-per-iter", "50", "--buffer-size", "40000",
+           "--total-timesteps", str(2 * interval), "--run-dir", run, "--resume", "auto"]
+    proc = start("fast_sac.py", *cmd)
+    kids = children(proc.pid)
+    deadline = time.time() + 240
+    while not checkpoints(run) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert checkpoints(run) == [interval], os.listdir(run)
+    assert all(wait_gone(k, 20) for k in kids)
+    assert not os.path.exists(os.path.join(run, "summary.json"))  # (it never finished)
+    res = run_script("fast_sac.py", *cmd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"checkpoint_{interval}.pt at env step {interval:,}" in res.stdout, res.stdout[-2000:]
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and summary["total_env_steps"] == 2 * interval
 
 
 def test_cut_off_checkpoint_is_skipped_with_warning(tmp_path, no_shm_leak):

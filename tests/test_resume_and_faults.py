@@ -251,41 +251,72 @@ def test_resume_on_another_machine_resolves_its_settings_again(tmp_path, no_shm_
 def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_path,
                                                                            no_shm_leak):
     """A run saved with --quiet, --save-interval 200 and --log-interval 1, resumed with
-    --no-quiet, --save-interval=0 and --log-interval 10.0: the defaults, given now. And a
-    new --critic-lr reaches the optimizer, whose saved state holds the old one."""
+    --no-quiet, --save-interval=100000 and --log-interval 10.0: the defaults, given now. And
+    a new --critic-lr reaches the optimizer, whose saved state holds the old one."""
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "600", "--quiet",
                      "--save-interval", "200", "--keep-checkpoints", "10", "--run-dir", run_dir)
     assert res.returncode == 0 and "step " not in res.stdout, res.stderr[-3000:]
     before = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
     assert before == ["checkpoint_200.pt", "checkpoint_400.pt"]
-    res = run_script("fast_sac.py", "--resume", run_dir, "--no-quiet", "--save-interval=0",
+    res = run_script("fast_sac.py", "--resume", run_dir, "--no-quiet", "--save-interval=100000",
                      "--total-timesteps", "1000", "--log-interval", "10.0",
                      "--critic-lr", "0.001")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step " in res.stdout  # --no-quiet: progress lines again
     after = sorted(f for f in os.listdir(run_dir) if f.startswith("checkpoint_"))
-    assert after == before  # --save-interval 0: no new checkpoint
+    assert after == before  # (every 100,000 env steps: none in this run)
     final = final_params(run_dir)
     saved = final["args"]
-    assert saved["quiet"] is False and saved["save_interval"] == 0
+    assert saved["quiet"] is False and saved["save_interval"] == 100_000
     assert saved["log_interval"] == 10.0 and saved["critic_lr"] == 0.001
     assert [g["lr"] for g in final["critic_opt"]["param_groups"]] == [0.001]
     assert [g["lr"] for g in final["actor_opt"]["param_groups"]] == [3e-4]
 
 
 def test_resume_auto_continues_a_single_process_run(tmp_path, no_shm_leak):
+    """And "train longer": the finished run's model_final.pt goes on to a larger
+    --total-timesteps with its networks, optimizers and counters, while its collectors start
+    fresh episodes into an empty buffer, which refills --learning-starts transitions before
+    the updates go on (README, "Stop, resume, evaluate")."""
     run_dir = str(tmp_path / "run")
     flags = [*SMALL, "--save-interval", "200", "--resume", "auto", "--run-dir", run_dir]
     res = run_script("fast_sac.py", *flags, "--total-timesteps", "600")
     assert res.returncode == 0 and "resuming" not in res.stdout, res.stderr[-3000:]
-    first = final_params(run_dir)["num_updates"]
+    first = final_params(run_dir)
     res = run_script("fast_sac.py", *flags, "--total-timesteps", "1000")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resuming" in res.stdout and "at env step 600" in res.stdout, res.stdout[-2000:]
+    assert "model_final.pt at env step 600" in res.stdout, res.stdout[-2000:]
     s = read_summary(run_dir)
     assert s["status"] == "completed" and s["total_env_steps"] == 1000
-    assert s["num_updates"] > first  # it trained on
+    # 20 iterations of 20 env steps after the resume; the first chunk is skipped (no
+    # snapshot: the collectors start at the chunk its weights are for) and the next 10
+    # refill the 200 transitions of --learning-starts: 10 iterations of 2 updates remain
+    assert s["num_updates"] - first["num_updates"] == 2 * (20 - 1 - 10 + 1)
+    assert first["collector"] is None and first["replay"] is None
+
+
+@pytest.mark.slow
+def test_return_range_sums_continue_with_the_collectors_episodes(tmp_path, no_shm_leak):
+    """Without --save-replay a checkpoint still carries the collectors' snapshot, so their
+    episodes continue on resume, and so do ReturnRange's running sums: in lockstep, before
+    --learning-starts (random actions, from restored generators), a resumed run folds in
+    exactly the rows an uninterrupted one does, and its support's state at every later
+    checkpoint is the same. Reacher (not in VALUE_RANGES) is mid-episode at env step 660."""
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    flags = [*SMALL, "--env", "Reacher-v5", "--sync-mode", "lockstep", "--learning-starts",
+             "990", "--total-timesteps", "1000", "--save-interval", "20",
+             "--keep-checkpoints", "100"]
+    res = run_script("fast_sac.py", *flags, "--run-dir", full)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_script("fast_sac.py", *flags, "--resume", os.path.join(full, "checkpoint_660.pt"),
+                     "--run-dir", resumed)
+    assert res.returncode == 0 and "at env step 660" in res.stdout, res.stderr[-3000:]
+    for name in ("checkpoint_680.pt", "checkpoint_860.pt", "model_final.pt"):
+        a, b = (torch.load(os.path.join(d, name), weights_only=False)["value_range"]
+                for d in (full, resumed))
+        assert (a["g"] == b["g"]).all() and (a["lo"], a["hi"]) == (b["lo"], b["hi"]), name
+        assert a["g"].any() or name == "model_final.pt"  # (mid-episode: 340 and 430 steps)
 
 
 @pytest.mark.parametrize("flag, package", [("--track", "wandb"),
