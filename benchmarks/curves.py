@@ -125,6 +125,8 @@ def load(run_dir: str) -> dict | None:
             "minutes": np.array([(p.wall_time - t0) / 60 for p in points]),
             "returns": np.array([p.value for p in points]),
             "budget": describe(mark.get("minutes"), mark.get("steps")),
+            "cmd": shlex.join(["python", *(os.path.relpath(a, ROOT) if a.startswith(ROOT)
+                                           else a for a in mark.get("cmd", ["?"])[1:])]),
             "reached": max([summary.get("total_env_steps", 0)]
                            + [events.Scalars(t)[-1].step for t in tags])}
 
@@ -160,7 +162,7 @@ def describe(minutes: float | None, steps: int | None) -> str:
 
 def table(c: Curves, curves: dict, thresholds: dict) -> tuple[str, list[dict]]:
     lines, rows = [f"Eval return ({TAG}): median over seeds (per-seed values); final = last "
-                   "eval; minutes from process start.", ""], []
+                   "eval; minutes from process start.", "", made_with(), ""], []
     for env in c.envs:
         thr = thresholds.get(family(env), [])
         budgets = sorted({r["budget"] for (e, *_), r in curves.items() if e == env})
@@ -176,8 +178,27 @@ def table(c: Curves, curves: dict, thresholds: dict) -> tuple[str, list[dict]]:
                              f"{cell(row['best_eval'], '{:.0f}')} |"
                              + "".join(f" {cell(v, '{:.1f}')} |"
                                        for v in row["minutes_to"].values()))
-        lines.append("")
+        cmds = [r["cmd"] for (e, *_), r in sorted(curves.items()) if e == env]
+        lines += ["", "Each run's command:", "", "```", *cmds, "```", ""] if cmds else [""]
     return "\n".join(lines), rows
+
+
+def made_with() -> str:
+    """Where and with what the tabulating ran: the CPU model, the date, the commit and the
+    versions (the runs' own machine, when they were made elsewhere, is not known here)."""
+    import platform
+
+    import gymnasium
+    import mujoco
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "?")
+    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip() or "?"
+    return (f"Made on {cpu} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}, commit "
+            f"{commit}; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"gymnasium {gymnasium.__version__}, MuJoCo {mujoco.__version__}.")
 
 
 def draw(c: Curves, curves: dict, thresholds: dict, path: str) -> None:

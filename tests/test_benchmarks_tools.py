@@ -44,6 +44,9 @@ def test_curves_sweep_tabulates_reuses_and_reruns_on_new_arguments(tmp_path, no_
     assert row["script"] == "fast_sac" and row["env_steps"] == [600]
     assert row["final_eval"][0] is not None and -2000 < row["final_eval"][0] <= 0
     assert "### Pendulum-v1" in res.stdout and png(os.path.join(out, "curves.png"))
+    # the table says where, when and how: the CPU model, the commit, each run's command
+    assert "Made on " in res.stdout and ", commit " in res.stdout
+    assert "python fast_sac.py --env Pendulum-v1 --seed 1 --run-dir" in res.stdout
     res = run_script(*sweep, f"--extra={extra}")  # the same command: nothing runs again
     assert res.returncode == 0 and "reusing" in res.stdout, res.stdout[-2000:]
     res = run_script(*sweep, f"--extra={extra} --seed 1")  # other arguments: it runs again
