@@ -1302,8 +1302,6 @@ def restore(ckpt: dict, run: Run) -> list[dict]:
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
     loop = run.loop
     loop.update({k: ckpt[k] for k in loop if k in ckpt})
-    if run.info.node_rank > 0:  # (the snapshots are node 0's: other nodes start new episodes)
-        ckpt = ckpt | {"collector": None}
     if run.value_range is not None and ckpt.get("value_range"):
         run.value_range.load(ckpt["value_range"], ckpt["collector"] is not None)
     if run.is_main:
