@@ -184,7 +184,9 @@ class Args:
     learner_threads: Annotated[int | None, default("the cores the collectors leave")] = None
     """torch threads of the learner on a CPU"""
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend: auto is nccl with CUDA, gloo otherwise"""
+    """torch.distributed backend: auto is nccl with CUDA (gloo with --share-device), else gloo"""
+    share_device: bool = False
+    """several ranks on one GPU (local rank modulo the GPUs), to test on a one-GPU machine"""
     dist_timeout: float = 1800.0
     """seconds a collective waits for the other ranks (they wait while rank 0 evaluates)"""
 
@@ -1494,7 +1496,7 @@ def main(argv=None) -> int:
             return 0
         defaulted = frozenset(f for f in ("compile", "amp") if getattr(args, f) is None)
         args = resolve_args(args)
-        info = D.init(args.dist_backend, args.device, args.dist_timeout)
+        info = D.init(args.dist_backend, args.device, args.dist_timeout, args.share_device)
         if args.save_replay and info.num_nodes > 1:
             raise ArgsError("--save-replay works on one node: each node's buffer and "
                             "collector state stay on that node")

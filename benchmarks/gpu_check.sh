@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared device check for a machine with a GPU (written for the H200 lent by the
-# device tool, 15 minutes a session: this takes at most 595 s, which leaves a few minutes to
-# rerun some steps). Run from the repository root:
+# The one prepared device check for a machine with a GPU (written for the H200 or H100 lent
+# by the device tool, 15 minutes a session: the decisive steps take at most 540 s, which
+# leaves time to rerun some; the others run as the budget allows). Run from the repository
+# root:
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 #     OUT=/tmp/gpu GPU_CHECK_STEPS="fast_sac multigpu" bash benchmarks/gpu_check.sh  # these only
 #     OUT=/tmp/dry bash benchmarks/gpu_check.sh --dry-run    # no GPU: every step, tiny sizes
@@ -10,11 +11,17 @@
 # which travels with the call (carry [".whl"]) and is installed below.
 #
 # Steps, most decisive first; each writes its results as it goes, so a step stopped by its
-# time limit keeps what it finished, and the steps' limits add up to less than the budget:
+# time limit keeps what it finished. The first four always run (their limits add up to less
+# than the budget); each later one runs only if the budget still holds its limit:
 #   machine            GPU, driver, packages, /dev/shm and GPU memory; sizes the buffers
 #   learner_speed      updates/s: eager, bf16, compile, CUDA graphs (the GPU recipe's shapes),
 #                      each with the FLOPs of an update, the GPU's matmul peak in its dtype
 #                      and the fraction of that limit the learner reaches
+#   learn              does the GPU recipe learn: python fast_sac.py --env Humanoid with the
+#                      CUDA defaults for 5 minutes (benchmarks/curves.py stops it), evaluated
+#                      every 25k env steps; minutes to 1,000 / 3,000 / 5,000
+#   two_ranks          torchrun, two gloo ranks sharing the GPU (--share-device): the
+#                      multi-GPU device code on one GPU; the ranks' parameters must agree
 #   fast_sac           one end-to-end Humanoid-v5 run with the CUDA defaults
 #   multigpu           torchrun, one rank: NCCL init, broadcast, all-reduce, barriers, exit
 #   fast_td3           a short fast_td3.py run
@@ -25,6 +32,8 @@
 #   gpu_check.log       every step's output, with its command, time limit, exit status, time
 #   learner_speed.json  a row per mode, written after each
 #   runs.jsonl          a line per training run: its summary.json, with the step's name
+#   learn_curves.md/.json/.png  the learn step's curve (eval return against minutes, env
+#                      steps) and its table
 #   sample_time.json    host vs mirror (ms), written after each
 #   scaling.json        collector_scaling, written after each K
 # --dry-run: the CPU learner (gloo for torchrun), tiny sizes, the same steps and files; it
@@ -34,7 +43,7 @@ set -u -o pipefail
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 START=$SECONDS
-BUDGET_S=${GPU_CHECK_BUDGET_S:-595}   # the whole check, wheel install included
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}   # the whole check, wheel install included
 ONLY=${GPU_CHECK_STEPS:-}             # the steps to run (machine always runs); empty: all
 INSTALL_S=15                          # kept for the wheel install
 OUT=${OUT:-/tmp}
@@ -47,18 +56,23 @@ WORK=$(mktemp -d)   # run folders: their events and checkpoints stay out of $OUT
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1   # a step stopped by its time limit still leaves what it printed
 FAILED=""
+SKIPPED=""
 
-# each step's time limit (s); their sum must fit the budget. Sized from the first lent H200
-# (2026-12-04): a training run starts its first env step after about 20 s and compiles for
-# 25 s more; fast_sac then collected 685 env steps/s in that first call, 1,330 in a later one
-# (learner_speed compiles twice, plain and CUDA graphs: the later runs at the same shapes
-# find those kernels in inductor's cache, fast_td3 compiles its own)
-declare -A CAP=([machine]=30 [learner_speed]=130 [fast_sac]=85 [multigpu]=70 [fast_td3]=75
-                [cudagraphs]=85 [sample_time]=40 [collector_scaling]=65)
+# each step's time limit (s). Sized from the first lent H200 (2026-12-04): a training run
+# starts its first env step after about 20 s and compiles for 25 s more; fast_sac then
+# collected 685 env steps/s in that first call, 1,330 in a later one (learner_speed compiles
+# twice, plain and CUDA graphs: the later runs at the same shapes find those kernels in
+# inductor's cache, fast_td3 compiles its own). learn: 5 minutes from its process start,
+# then its checkpoint and the table
+declare -A CAP=([machine]=30 [learner_speed]=110 [learn]=330 [two_ranks]=55 [fast_sac]=85
+                [multigpu]=70 [fast_td3]=75 [cudagraphs]=85 [sample_time]=40
+                [collector_scaling]=65)
+DECISIVE=(machine learner_speed learn two_ranks)   # always run: their limits fit the budget
 total=$INSTALL_S
-for c in "${CAP[@]}"; do total=$((total + c)); done
+for name in "${DECISIVE[@]}"; do total=$((total + CAP[$name])); done
 if [ "$total" -gt "$BUDGET_S" ]; then
-    echo "the steps' limits add up to ${total}s, over the ${BUDGET_S}s budget" | tee -a "$LOG"
+    echo "the decisive steps' limits add up to ${total}s, over the ${BUDGET_S}s budget" |
+        tee -a "$LOG"
     exit 1
 fi
 
@@ -80,6 +94,12 @@ step() {
     fi
     left=$((BUDGET_S - (SECONDS - START)))
     t=$((cap < left ? cap : left))
+    if [[ " ${DECISIVE[*]} " != *" $name "* ]] && [ "$left" -lt "$cap" ]; then
+        echo "== $name: skipped, it needs ${cap}s and ${left}s of the budget are left" |
+            tee -a "$LOG"
+        SKIPPED="$SKIPPED $name"
+        return 1
+    fi
     if [ "$t" -lt 10 ]; then
         echo "== $name: skipped, ${left}s of the budget left" | tee -a "$LOG"
         FAILED="$FAILED $name"
@@ -115,6 +135,8 @@ if [ "$DRY" = 1 ]; then   # tiny sizes on the CPU; the same steps and files
     SAMPLE=(--device cpu --num-envs 4 --buffer-size 20000 --rows 1024 --iterations 2
             --gather-threads 1)
     SCALING=(--collectors 1 2 --steps-per-collector 80)
+    LEARN=(--minutes 1 --eval-interval 100)
+    LEARN_EXTRA="${SIZES[*]} --eval-episodes 1"
 else
     DEVICE=cuda
     # the GPU recipe's shapes (batch 4096, 32 updates, actor 512, critics 1024), so that the
@@ -126,6 +148,8 @@ else
     GRAPHS=(--cudagraphs)
     SAMPLE=(--device cuda --iterations 5)
     SCALING=(--collectors 1 2 4 8)
+    LEARN=(--minutes 5 --eval-interval 25000)
+    LEARN_EXTRA="--eval-episodes 3"
 fi
 RUN=(--env Humanoid-v5 --eval-interval 0 --eval-episodes 2 --log-interval 10)
 
@@ -155,6 +179,27 @@ BUF=(--buffer-size "$(cat "$WORK/buffer_size")")
 step learner_speed python3 benchmarks/learner_speed.py --device "$DEVICE" "${SPEED[@]}" \
     --out "$OUT/learner_speed.json"
 
+# (curves.py keeps the run dir in $WORK; only the table and the figure go to $OUT)
+step learn python3 benchmarks/curves.py --scripts fast_sac --envs Humanoid-v5 --seeds 1 \
+    "${LEARN[@]}" --extra "$LEARN_EXTRA ${BUF[*]}" --out-dir "$WORK/learn" &&
+    keep learn "$WORK/learn/Humanoid-v5__fast_sac__1"
+for f in curves.md curves.json curves.png; do
+    [ -f "$WORK/learn/$f" ] && cp "$WORK/learn/$f" "$OUT/learn_$f"
+done
+
+if step two_ranks python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+    fast_sac_multigpu.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" --eval-episodes 1 \
+    --share-device --dist-backend gloo --run-dir "$WORK/two_ranks"; then
+    keep two_ranks "$WORK/two_ranks"
+    python3 -c "import json
+s = json.load(open('$WORK/two_ranks/summary.json'))
+hashes = s['rank_param_hashes']
+print('two ranks on one device:', s['backend'], s['world_size'], 'ranks, parameters',
+      'identical' if len(set(hashes)) == 1 else 'DIFFER', hashes)
+assert s['world_size'] == 2 and len(set(hashes)) == 1" 2>&1 | tee -a "$LOG" ||
+        FAILED="$FAILED two_ranks(parameters)"
+fi
+
 step fast_sac python3 fast_sac.py "${RUN[@]}" "${SIZES[@]}" "${BUF[@]}" \
     --run-dir "$WORK/fast_sac" && keep fast_sac "$WORK/fast_sac" && [ "$DRY" = 0 ] &&
     [ -f "$OUT/learner_speed.json" ] &&
@@ -181,5 +226,6 @@ step sample_time python3 benchmarks/sample_time.py "${SAMPLE[@]}" "${BUF[@]}" \
 step collector_scaling python3 benchmarks/throughput.py --scaling-only --repeats 1 \
     "${SCALING[@]}" --out "$OUT/scaling.json"
 
-echo "== done in $((SECONDS - START))s; failed or skipped:${FAILED:- none}" | tee -a "$LOG"
+echo "== done in $((SECONDS - START))s; failed:${FAILED:- none}; skipped for time:${SKIPPED:- none}" |
+    tee -a "$LOG"
 [ -z "$FAILED" ]

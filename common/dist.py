@@ -49,14 +49,21 @@ class DistInfo:
         return self.backend is not None
 
 
-def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) -> DistInfo:
+def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0,
+         share_device: bool = False) -> DistInfo:
     """Join the process group that torchrun set up; a single process without torchrun.
 
     backend: "auto" (nccl with CUDA, else gloo), "nccl" or "gloo".
-    device: "auto", "cuda" or "cpu"; with CUDA each local rank takes GPU `local_rank`.
+    device: "auto", "cuda" or "cpu"; with CUDA each local rank takes GPU `local_rank`, or
+    with `share_device` GPU `local_rank % count`, so that several ranks run on one GPU (to
+    test the multi-GPU code on a one-GPU machine: gloo only, which all-reduces CUDA tensors
+    through host memory; NCCL refuses two ranks on one device).
     Raises RuntimeError with the command to use when the environment asks for several
-    processes but was not set up by torchrun.
+    processes but was not set up by torchrun, or for NCCL with `share_device`.
     """
+    if share_device and backend == "nccl":
+        raise RuntimeError("--share-device puts several ranks on one GPU, which NCCL refuses "
+                           "(one communicator rank per device); use --dist-backend gloo")
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -71,15 +78,17 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 120.0) 
     node_rank = int(os.environ.get("GROUP_RANK", str(rank // local_world)))
     num_nodes = int(os.environ.get("GROUP_WORLD_SIZE", str(world // local_world)))
     if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
+        backend = "nccl" if cuda and not share_device else "gloo"
     if backend == "nccl" and not cuda:
         raise RuntimeError("--dist-backend nccl needs CUDA devices; use gloo on CPU")
+    gpu = local_rank % max(1, torch.cuda.device_count()) if share_device else local_rank
     if cuda:
-        if local_rank >= torch.cuda.device_count():
+        if gpu >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {local_rank} has no GPU: only "
-                               f"{torch.cuda.device_count()} visible; lower --nproc_per_node")
-        torch.cuda.set_device(local_rank)
-    dev = f"cuda:{local_rank}" if cuda else "cpu"
+                               f"{torch.cuda.device_count()} visible; lower --nproc_per_node "
+                               "(or, with --dist-backend gloo, pass --share-device)")
+        torch.cuda.set_device(gpu)
+    dev = f"cuda:{gpu}" if cuda else "cpu"
     timeout = datetime.timedelta(seconds=timeout_s)
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

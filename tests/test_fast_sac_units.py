@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fast_sac as fs
 from common.collectors import check_mirror_fits, collector_main, env_slice
@@ -503,3 +504,56 @@ def test_stop_request_ignores_a_repeated_sigterm_but_not_ctrl_c():
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every read of a tensor's value by the host: .item(), bool(), int(), float()
+    and .tolist() on any device reach aten._local_scalar_dense here, or the Tensor methods
+    that `methods` (a TorchFunctionMode) sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _HostReadMethods(torch.overrides.TorchFunctionMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("script", ["fast_sac", "fast_td3"])
+def test_an_iteration_never_asks_the_device_for_a_value(script):
+    """No host sync inside a learner iteration (on a GPU each would wait for every update
+    queued before it, and none can be captured in a CUDA graph): the updates, the target
+    update and the metrics stay tensors on the device; the loop reads them once, later. A
+    deliberate .item() inside the iteration is seen (the check itself works)."""
+    mod = __import__(script)
+    args = mod.resolve_args(mod.Args(env="Pendulum", device="cpu", critic_hidden=32,
+                                     actor_hidden=32, num_atoms=11, batch_size=16,
+                                     updates_per_iter=4, compile=False, amp=False))
+    learner = mod.Learner(args, 3, 1, np.array([-2.0], np.float32),
+                          np.array([2.0], np.float32), torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    batch = {"obs": torch.randn(64, 3, generator=g), "next_obs": torch.randn(64, 3, generator=g),
+             "actions": torch.rand(64, 1, generator=g) * 4 - 2,
+             "rewards": torch.randn(64, generator=g), "discounts": torch.full((64,), 0.9)}
+    learner.train_iteration(batch)  # (the optimizers' state exists from here on)
+    reads = _HostReads()
+    with reads, _HostReadMethods(reads.seen):
+        metrics = learner.train_iteration(batch)
+    assert reads.seen == [] and all(isinstance(v, torch.Tensor) for v in metrics.values())
+    with reads, _HostReadMethods(reads.seen):
+        metrics["qf_loss"].item()
+    assert "item" in reads.seen and "aten._local_scalar_dense.default" in reads.seen

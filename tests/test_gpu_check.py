@@ -18,20 +18,26 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_sh
                          env=dict(os.environ, OUT=str(out)))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     log = (out / "gpu_check.log").read_text()
-    steps = ["machine", "learner_speed", "fast_sac", "multigpu", "fast_td3", "cudagraphs",
-             "sample_time", "collector_scaling"]
+    steps = ["machine", "learner_speed", "learn", "two_ranks", "fast_sac", "multigpu",
+             "fast_td3", "cudagraphs", "sample_time", "collector_scaling"]
     for name in steps:
         assert f"== {name}: exit 0 after" in log, name
     assert [log.index(f"== {name} (timeout") for name in steps] == sorted(
         log.index(f"== {name} (timeout") for name in steps)  # in the decisive order
-    assert "failed or skipped: none" in log
+    assert "failed: none; skipped for time: none" in log
     speed = json.loads((out / "learner_speed.json").read_text())
     assert [r["mode"] for r in speed["rows"]] == ["eager", "amp"]
     assert all(r["updates_per_s"] > 0 for r in speed["rows"])
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in runs] == ["fast_sac", "multigpu", "fast_td3", "cudagraphs"]
+    assert [r["step"] for r in runs] == ["learn", "two_ranks", "fast_sac", "multigpu",
+                                         "fast_td3", "cudagraphs"]
     assert all(r["status"] == "completed" and r["num_updates"] > 0 for r in runs)
-    assert runs[1]["backend"] == "gloo" and runs[1]["world_size"] == 1
+    # two ranks that share a device (gloo): the same parameters at the end
+    assert runs[1]["world_size"] == 2 and len(set(runs[1]["rank_param_hashes"])) == 1
+    assert "parameters identical" in log
+    assert runs[3]["backend"] == "gloo" and runs[3]["world_size"] == 1
+    (row,) = json.loads((out / "learn_curves.json").read_text())["rows"]
+    assert row["script"] == "fast_sac" and row["env_steps"] == [200]
     sample = json.loads((out / "sample_time.json").read_text())
     assert sample["host_ms"] > 0 and sample["mirror_ms"] > 0
     scaling = json.loads((out / "scaling.json").read_text())
@@ -49,8 +55,8 @@ def test_gpu_check_steps_runs_only_the_steps_named(tmp_path, no_shm_leak):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     log = (out / "gpu_check.log").read_text()
     assert "== machine: exit 0 after" in log and "== fast_sac: exit 0 after" in log
-    for name in ("learner_speed", "multigpu", "fast_td3", "cudagraphs", "sample_time",
-                 "collector_scaling"):
+    for name in ("learner_speed", "learn", "two_ranks", "multigpu", "fast_td3", "cudagraphs",
+                 "sample_time", "collector_scaling"):
         assert f"== {name}: not in GPU_CHECK_STEPS" in log, name
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs] == ["fast_sac"] and runs[0]["num_updates"] > 0

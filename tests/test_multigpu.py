@@ -118,6 +118,16 @@ def test_world_size_without_torchrun_is_a_clear_error(tmp_path, no_shm_leak):
     assert not (tmp_path / "r").exists()
 
 
+def test_share_device_with_nccl_is_refused_with_the_reason(tmp_path, no_shm_leak):
+    """--share-device (several ranks on one GPU, for testing on a one-GPU machine) needs gloo:
+    NCCL refuses two ranks on one device. Refused before anything starts."""
+    res = run_script("fast_sac_multigpu.py", *SMALL, "--share-device", "--dist-backend",
+                     "nccl", "--run-dir", str(tmp_path / "r"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "NCCL refuses" in res.stderr and "use --dist-backend gloo" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def worker_pids(agent_pid):
     """The ranks that the torchrun agent `agent_pid` started (its child processes, which
     carry LOCAL_RANK in their environment): never another job's processes."""
