@@ -136,7 +136,7 @@ def check_mirror_fits(args, obs_dim: int, act_dim: int) -> None:
     (torchrun's local rank), next to what the networks need."""
     mirror = Mirror.nbytes(args.num_envs, args.buffer_size // args.num_envs, obs_dim, act_dim)
     sample = batch_nbytes(args.batch_size * args.updates_per_iter, obs_dim, act_dim)
-    gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()  # (--share-device)
+    gpu = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())  # (shared)
     free = torch.cuda.mem_get_info(gpu)[0]
     if mirror + 2 * sample > free:
         raise ArgsError(f"the replay mirror needs {mirror / 2**30:.1f} GiB of GPU memory and "
