@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim import Optimizer
 
 from common import checkpoints
 from common import dist as D
@@ -56,6 +57,18 @@ SCRIPT = Path(__file__).stem  # names runs, checkpoints and processes: copies ne
 
 # =======================================================================================
 # Arguments: the algorithm's first, then how the run is kept
+
+
+def default(text: str):
+    """--help's "(default: ...)" of a field that resolve_args fills for the machine."""
+    import tyro  # (here: the collectors import this file but parse no arguments)
+
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+def recipe(name: str):
+    """--help's default of a recipe size (CPU_RECIPE and GPU_RECIPE, below)."""
+    cpu, gpu = CPU_RECIPE[name], GPU_RECIPE[name]
+    return default(f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}")
 
 
 @dataclass
@@ -139,9 +152,10 @@ class Args:
     save_replay: bool = False
     """store the replay buffer with each checkpoint, so that a resumed run continues exactly"""
     resume: str | None = None
-    """run dir or checkpoint to continue with its arguments; flags given now override them
-    (not the run's shapes, RESUME_FIXED), and the machine's settings (MACHINE) are resolved
-    again; auto: --run-dir's newest complete checkpoint, else a fresh start"""
+    """run dir or checkpoint to continue with its arguments, written into that run dir
+    unless --run-dir is given; flags given now override them (not the run's shapes:
+    RESUME_FIXED, Learner.FIXED), and the machine's settings (MACHINE) are resolved again;
+    auto: --run-dir's newest complete checkpoint, else a fresh start"""
     restart_collector: bool = False
     """if a collector dies, start a fresh one and carry on instead of exiting"""
     eval_interval: int = 50_000
@@ -380,13 +394,6 @@ class Critics(nn.Module):
         """Expected values [2, B] of the critics' distributions."""
         return (self(obs, action).softmax(-1) * self.support).sum(-1)
 
-    @torch.no_grad()
-    def set_support(self, v_min: float, v_max: float) -> None:
-        """Move the atoms to [v_min, v_max]; the networks stay, so each atom's probability
-        now stands for its new value (made on the device: no copy that waits for it)."""
-        n, device = self.support.shape[0], self.support.device
-        self.support.copy_(torch.linspace(v_min, v_max, n, device=device))
-
 
 def project(probs, rewards, discounts, support) -> torch.Tensor:
     """C51 projection of the distribution r + discount * Z (probs [B, N] on support [N];
@@ -405,48 +412,6 @@ def project(probs, rewards, discounts, support) -> torch.Tensor:
     out.scatter_add_(1, lo, probs * (hi.to(b.dtype) - b))
     out.scatter_add_(1, hi, probs * (b - lo.to(b.dtype)))
     return out
-
-
-class ReturnRange:
-    """The critics' support on an env that VALUE_RANGES lacks (without --v-min/--v-max): it
-    follows G <- reward + gamma * G, each env's discounted sum of its episode's rewards so
-    far, which spans what the values span. The support covers the lowest and highest G seen
-    and 0, widened by a quarter of that width below and by half above (an improving policy's
-    values lie above the returns collected so far); set before the first update, it widens
-    as new rows arrive."""
-
-    def __init__(self, num_envs: int, gamma: float):
-        self.gamma, self.g, self.lo, self.hi = gamma, np.zeros(num_envs), 0.0, 0.0
-        self.applied = None  # the support last handed to the critics
-
-    def update(self, rewards: np.ndarray, dones: np.ndarray) -> None:
-        """Fold in rewards and episode ends, [num_envs, steps] in the order collected."""
-        for t in range(rewards.shape[1]):
-            self.g = rewards[:, t] + self.gamma * self.g
-            self.lo, self.hi = min(self.lo, float(self.g.min())), max(self.hi, float(self.g.max()))
-            self.g = self.g * (1.0 - dones[:, t])
-
-    def support(self) -> tuple[float, float]:
-        width = max(self.hi - self.lo, 1e-3)
-        return self.lo - width / 4, self.hi + width / 2
-
-    def changed_support(self) -> tuple[float, float] | None:
-        """The support, if it differs from the one last returned here; else None."""
-        support = self.support()
-        if support == self.applied:
-            return None
-        self.applied = support
-        return support
-
-    def state(self) -> dict:
-        return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
-
-    def load(self, state: dict, episodes_continue: bool) -> None:
-        """Restore a checkpoint's range; the running sums only when the collectors continue
-        their episodes (from their snapshots, with or without the replay file)."""
-        self.lo, self.hi = state["lo"], state["hi"]
-        if episodes_continue:
-            self.g = state["g"].copy()
 
 
 def lower_mean_distribution(probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
@@ -494,7 +459,18 @@ class Explorer:
 
 
 class Learner:
-    """Networks, optimizers and the update rule. The loop that feeds it is `train`."""
+    """Networks, optimizers and the update rule. The loop below the marker (`train`) uses
+    only what is named here: `actor` (an Actor: the collectors and evaluations act with its
+    weights, and its normalizer takes in every new row), `device`, `num_updates`,
+    `train_iteration`, `set_support`, `diagnostics`, STATE and FIXED. An idea that keeps
+    these needs no edit below the marker."""
+
+    # what a checkpoint holds (modules, optimizers, tensors), and the arguments a resumed
+    # run must keep besides the loop's own (RESUME_FIXED): those that shape the networks
+    STATE = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt",
+             "log_alpha")
+    FIXED = ("actor_hidden", "critic_hidden", "num_atoms", "n_step", "v_min", "v_max")
+
 
     def __init__(self, args: Args, obs_dim, act_dim, low, high, device, info: D.DistInfo):
         self.args, self.device, self.info = args, device, info
@@ -624,6 +600,23 @@ class Learner:
             out["actor_grad_norm"] = grad_norm(self.actor.parameters())
         return out
 
+    @torch.no_grad()
+    def set_support(self, v_min: float, v_max: float) -> None:
+        """Move the critics' atoms to [v_min, v_max], as the loop widens the range with the
+        returns seen (ReturnRange: an env VALUE_RANGES lacks). The networks stay, so each
+        atom's probability now stands for its new value (made on the device: no wait)."""
+        for c in (self.critics, self.critics_target):
+            c.support.copy_(torch.linspace(v_min, v_max, len(c.support), device=self.device))
+
+    @torch.no_grad()
+    def diagnostics(self, obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Logged with the losses, at the newest sample's raw `obs`: the policy's std (before
+        tanh; mean over batch and action dimensions), the lowest and highest Q at its actions."""
+        x = self.actor.normalizer(obs)
+        q = self.critics.q_values(x, self.actor.sample(x, self.noise(x.shape[0]))[0])
+        return {"action_std": self.actor(x)[1].exp().mean(), "qf_min": q.min(),
+                "qf_max": q.max()}
+
 
 # =======================================================================================
 # The training loop. Plumbing from here on: a new idea rarely needs a change below.
@@ -641,8 +634,8 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None,
     """
     stop = StopRequest()
     try:
-        run = Run(args, info, defaulted, resume and resume["global_step"])
-    except ArgsError as e:  # (--compile: its warm-up failed)
+        run = Run(args, info, defaulted, resume)
+    except ArgsError as e:  # (--compile's warm-up failed, or the checkpoint does not fit)
         print(f"error: rank {info.rank}: {e}", file=sys.stderr, flush=True)
         return 2
     learner, loop, tally, timeline = run.learner, run.loop, run.tally, run.learner.timeline
@@ -748,7 +741,7 @@ class Run:
     """One training job's parts and counters, which the loop's helpers share."""
 
     def __init__(self, args: Args, info: D.DistInfo, defaulted: frozenset = frozenset(),
-                 start: int = 0):
+                 resume: dict | None = None):
         """The learner (compiled and warmed up: a failure stops here, before any process or
         file exists, unless --compile was a default: then every rank goes on eager), the run
         dir, TensorBoard (rank 0), the progress line and --trace."""
@@ -761,6 +754,8 @@ class Run:
             torch.set_float32_matmul_precision("high")  # fp32 matmuls on tensor cores too
         torch.manual_seed(args.seed)
         self.args, self.learner = args, Learner(args, *env_dims(args.env), device, info)
+        if resume is not None:  # (a checkpoint that does not fit is refused before it starts)
+            checkpoints.check_fits(learner_state(self.learner), resume)
         # (every rank compiles, before the loop's first collective; one that fails makes
         # them all go on eager)
         compile_s = warm_up(self.learner, "compile" not in defaulted) if args.compile else 0.0
@@ -776,6 +771,7 @@ class Run:
         self.run_dir = D.share_with_node(info, "run_dir", {"run_dir": run_dir})["run_dir"]
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
+        start = resume and resume["global_step"]
         self.writer = make_writer(args, self.run_dir, start) if self.is_main else NoWriter()
         self.progress = Progress(dataclasses.replace(args, quiet=args.quiet or not self.is_main),
                                  f" | compiled in {compile_s:.0f}s" if compile_s else "")
@@ -802,6 +798,7 @@ class Run:
         self.metrics = self.last_obs = None  # the newest iteration's losses and observations
         self.next_save = self.next_eval = math.inf
         self.final_eval, self.hashes = None, None
+        self.start = (0, 0)  # the env step and update this process began at (for its rates)
 
 
 def start_collectors(run: Run, resume: dict | None) -> Collectors:
@@ -851,10 +848,51 @@ def fold_in_new_rows(run: Run, written: int) -> None:
         lo, neg_hi = D.allreduce_min([vr.lo, -vr.hi], run.info)
         vr.lo, vr.hi = lo, -neg_hi
         if (support := run.value_range.changed_support()) is not None:
-            for critics in (run.learner.critics, run.learner.critics_target):
-                critics.set_support(*support)
+            run.learner.set_support(*support)
     loop["normalized_upto"] = written
     run.learner.timeline.phase("learner/normalizer_update", mark)
+
+
+class ReturnRange:
+    """The critics' support on an env that VALUE_RANGES lacks (without --v-min/--v-max): it
+    follows G <- reward + gamma * G, each env's discounted sum of its episode's rewards so
+    far, which spans what the values span. The support covers the lowest and highest G seen
+    and 0, widened by a quarter of that width below and by half above (an improving policy's
+    values lie above the returns collected so far); set before the first update, it widens
+    as new rows arrive."""
+
+    def __init__(self, num_envs: int, gamma: float):
+        self.gamma, self.g, self.lo, self.hi = gamma, np.zeros(num_envs), 0.0, 0.0
+        self.applied = None  # the support last handed to the critics
+
+    def update(self, rewards: np.ndarray, dones: np.ndarray) -> None:
+        """Fold in rewards and episode ends, [num_envs, steps] in the order collected."""
+        for t in range(rewards.shape[1]):
+            self.g = rewards[:, t] + self.gamma * self.g
+            self.lo, self.hi = min(self.lo, float(self.g.min())), max(self.hi, float(self.g.max()))
+            self.g = self.g * (1.0 - dones[:, t])
+
+    def support(self) -> tuple[float, float]:
+        width = max(self.hi - self.lo, 1e-3)
+        return self.lo - width / 4, self.hi + width / 2
+
+    def changed_support(self) -> tuple[float, float] | None:
+        """The support, if it differs from the one last returned here; else None."""
+        support = self.support()
+        if support == self.applied:
+            return None
+        self.applied = support
+        return support
+
+    def state(self) -> dict:
+        return {"g": self.g.copy(), "lo": self.lo, "hi": self.hi}
+
+    def load(self, state: dict, episodes_continue: bool) -> None:
+        """Restore a checkpoint's range; the running sums only when the collectors continue
+        their episodes (from their snapshots, with or without the replay file)."""
+        self.lo, self.hi = state["lo"], state["hi"]
+        if episodes_continue:
+            self.g = state["g"].copy()
 
 
 def log_iteration(run: Run, done: bool) -> None:
@@ -871,7 +909,7 @@ def log_iteration(run: Run, done: bool) -> None:
         tally["terminated" if terminated else "truncated"] += 1
         run.progress.recent.append(ret)
     if run.metrics is not None and (run.loop["iteration"] % 10 == 0 or done):
-        metrics = run.metrics | diagnostics(learner, run.last_obs)
+        metrics = run.metrics | learner.diagnostics(run.last_obs)
         for k, v in zip(metrics, torch.stack(list(metrics.values())).tolist()):
             writer.add_scalar(f"losses/{k}", v, step)
         if run.trace:  # (one device sync, only now)
@@ -882,7 +920,7 @@ def log_iteration(run: Run, done: bool) -> None:
     if run.progress.due() or done:
         new = {k: tally[k] - run.logged[k] for k in tally}  # since the last progress line
         timing = collectors.ctrl.mean_timing()  # (the collectors' cumulative seconds)
-        scalars = {"charts/SPS": int(step / (time.time() - run.t_start)),
+        scalars = {"charts/SPS": int((step - run.start[0]) / (time.time() - run.t_start)),
                    "charts/update_to_data": learner.num_updates / max(step, 1),
                    "charts/replay_ratio": replay_ratio(run),
                    "perf/collect_time": timing[COLLECT_S],
@@ -902,17 +940,6 @@ def log_iteration(run: Run, done: bool) -> None:
             writer.add_scalar(tag, value, step)
         run.logged = dict(tally)
     timeline.phase("learner/log", mark)
-
-
-@torch.no_grad()
-def diagnostics(learner: Learner, obs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Read when logging is due (not per update), at the newest sample's raw `obs`: the
-    policy's standard deviation (of the Gaussian before tanh; mean over the batch and
-    the action dimensions) and the lowest and highest Q of both critics at its actions."""
-    x = learner.actor.normalizer(obs)
-    q = learner.critics.q_values(x, learner.actor.sample(x, learner.noise(x.shape[0]))[0])
-    return {"action_std": learner.actor(x)[1].exp().mean(), "qf_min": q.min(),
-            "qf_max": q.max()}
 
 
 def timers(run: Run) -> dict[str, float]:
@@ -980,10 +1007,10 @@ def finish_run(run: Run, status: str, message: str | None) -> None:
         "final_eval_return": run.final_eval, "device": run.args.device, "seed": run.args.seed,
         "perf": {"collect_s": round(collect_s, 3),
                  **{k: round(v, 3) for k, v in timers(run).items()},
-                 "collector_steps_per_s": rate(loop["global_step"], collect_s),
-                 "learner_updates_per_s": rate(updates, tally["learn_s"]),
+                 "collector_steps_per_s": rate(loop["global_step"] - run.start[0], collect_s),
+                 "learner_updates_per_s": rate(updates - run.start[1], tally["learn_s"]),
                  "updates_per_s_since_first_update": rate(
-                     updates, tally["last_update"] - tally["first_update"])},
+                     updates - run.start[1], tally["last_update"] - tally["first_update"])},
         "collector_restarts": run.collectors.restarts if run.collectors else 0,
         "episodes_terminated": tally["terminated"], "episodes_truncated": tally["truncated"],
         "replay_ratio": round(replay_ratio(run), 3),
@@ -1009,9 +1036,11 @@ def write_trace(run: Run) -> None:
 
 
 def learner_tensors(learner: Learner) -> list[torch.Tensor]:
-    """The learner's networks' parameters and buffers and the temperature, in a fixed order."""
-    modules = (learner.actor, learner.critics, learner.critics_target)
-    return [t for m in modules for t in m.state_dict().values()] + [learner.log_alpha]
+    """The tensors of Learner.STATE but the optimizers' (modules: parameters and buffers), in
+    a fixed order."""
+    held = [getattr(learner, k) for k in learner.STATE]
+    return [t for v in held if not isinstance(v, Optimizer)
+            for t in ([v] if torch.is_tensor(v) else v.state_dict().values())]
 
 
 def allreduce_grads(learner: Learner, params) -> None:
@@ -1227,38 +1256,27 @@ def record_video(actor: Actor, args: Args, device, run_dir: str, global_step: in
 # =======================================================================================
 # Checkpoints and resume (common/checkpoints.py keeps the files)
 
-# fields that must match between a checkpoint and the run that continues it; and those
+# the loop's own arguments that a resumed run must keep (with Learner.FIXED), and those
 # resolved again for the machine it continues on
-RESUME_FIXED = ("num_envs", "num_collectors", "buffer_size", "steps_per_iter", "actor_hidden",
-                "critic_hidden", "num_atoms", "n_step", "sync_mode", "v_min", "v_max")
+RESUME_FIXED = ("num_envs", "num_collectors", "buffer_size", "steps_per_iter", "sync_mode")
 MACHINE = ("device", "compile", "amp", "prefetch", "replay_mirror", "cudagraphs",
            "learner_threads")
 
 
-# what a checkpoint holds of the learner
-LEARNER_STATE = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt")
-
-
 def learner_state(learner: Learner) -> dict:
-    return {k: getattr(learner, k).state_dict() for k in LEARNER_STATE} | {
-        "log_alpha": learner.log_alpha.detach().cpu(), "num_updates": learner.num_updates}
+    """What a checkpoint holds of the learner: Learner.STATE and the update count."""
+    return checkpoints.state_of(learner, learner.STATE) | {"num_updates": learner.num_updates}
 
 
 def load_learner(learner: Learner, state: dict) -> None:
-    for k in LEARNER_STATE:  # (an optimizer keeps this run's settings, see load_optimizer)
-        if k.endswith("_opt"):
-            checkpoints.load_optimizer(getattr(learner, k), state[k])
-        else:
-            getattr(learner, k).load_state_dict(state[k])
-    with torch.no_grad():
-        learner.log_alpha.copy_(state["log_alpha"])
+    checkpoints.load_into(learner, learner.STATE, state)
     learner.num_updates = state["num_updates"]
 
 
 def all_finite(learner: Learner) -> bool:
     """Whether every tensor an optimizer updates is finite (checked before a save)."""
-    tensors = [p for k in LEARNER_STATE if k.endswith("_opt")
-               for group in getattr(learner, k).param_groups for p in group["params"]]
+    optimizers = [o for k in learner.STATE if isinstance(o := getattr(learner, k), Optimizer)]
+    tensors = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -1308,6 +1326,8 @@ def restore(ckpt: dict, run: Run) -> list[dict]:
         run.value_range.load(ckpt["value_range"], ckpt["collector"] is not None)
     if run.is_main:
         print(f"resuming {ckpt['path']} at env step {loop['global_step']:,}", flush=True)
+    run.start = loop["global_step"], run.learner.num_updates  # (rates count from here)
+    run.progress.last = time.perf_counter(), *run.start
     starts, floor = run.collectors.resume(ckpt)
     if floor is not None:  # no replay file: the buffer refills before updates go on
         loop["floor"], loop["normalized_upto"] = floor, max(loop["normalized_upto"], floor)
@@ -1329,6 +1349,7 @@ def evaluate_checkpoint(args: Args) -> int:
     ckpt = checkpoints.find(args.checkpoint, SCRIPT)
     saved = checkpoints.saved_args(Args, ckpt)
     actor = make_actor(saved, *env_dims(saved.env))
+    checkpoints.check_fits({"actor": actor.state_dict()}, ckpt)
     actor.load_state_dict(ckpt["actor"])
     returns = evaluate(actor, saved.env, args.eval_episodes, args.seed, "cpu")
     print(f"{saved.env}: return {returns.mean():.1f} +- {returns.std():.1f} over "
@@ -1412,18 +1433,6 @@ def settings_line(args: Args, defaulted: frozenset) -> str:
             + f"{'compiled' if args.compile else 'eager'} {'bf16' if args.amp else 'float32'} "
             f"({why}), prefetch {args.prefetch}, replay mirror {args.replay_mirror}")
 
-def default(text: str):
-    """--help's "(default: ...)" for a field that resolve_args fills for the machine."""
-    import tyro
-
-    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
-
-def recipe(name: str):
-    """--help's default of a recipe size: its CPU and GPU values."""
-    cpu, gpu = CPU_RECIPE[name], GPU_RECIPE[name]
-    return default(f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}")
-
-
 def resolve_env_id(name: str) -> str:
     """A registered id as given, or the newest version of a short name (Humanoid -> -v5)."""
     if name in gym.registry:
@@ -1486,7 +1495,8 @@ def main(argv=None) -> int:
         if args.eval_only:
             return evaluate_checkpoint(args)
         if args.resume:
-            args, resume = checkpoints.resume(args, argv, SCRIPT, RESUME_FIXED, MACHINE)
+            args, resume = checkpoints.resume(args, argv, SCRIPT, RESUME_FIXED + Learner.FIXED,
+                                              MACHINE)
         if resume and resolve_env_id(args.env) != resume["args"]["env"]:
             raise ArgsError(f"{resume['path']} was trained on {resume['args']['env']}, not "
                             f"{args.env}")

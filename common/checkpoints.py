@@ -73,6 +73,52 @@ def find(path: str, script: str) -> dict:
     raise ArgsError(f"no complete checkpoint_*.pt or model_final.pt in {path}")
 
 
+def state_of(obj, names: tuple[str, ...]) -> dict:
+    """What a checkpoint holds of `obj`'s attributes `names`: a module's or an optimizer's
+    state_dict, a tensor's value (on the CPU)."""
+    return {k: v.detach().cpu() if torch.is_tensor(v) else v.state_dict()
+            for k in names if (v := getattr(obj, k)) is not None}
+
+
+def load_into(obj, names: tuple[str, ...], state: dict) -> None:
+    """Load what state_of saved into `obj`'s attributes `names` (see load_optimizer)."""
+    for k in names:
+        if isinstance(v := getattr(obj, k), torch.optim.Optimizer):
+            load_optimizer(v, state[k])
+        elif torch.is_tensor(v):
+            with torch.no_grad():
+                v.copy_(state[k])
+        elif v is not None:
+            v.load_state_dict(state[k])
+
+
+def check_fits(mine: dict, ckpt: dict) -> None:
+    """Refuse, in one line, a checkpoint whose tensors do not fit the networks built now
+    (`mine`: what state_of gives for them): the first tensor whose shape differs, or that
+    one side lacks, whatever argument caused it. Raises ArgsError."""
+    def shape(t):
+        return "missing" if t is None else list(getattr(t, "shape", []))
+
+    for section, here in mine.items():
+        there = ckpt.get(section)
+        if torch.is_tensor(here):
+            here, there = {"": here}, {"": there}
+        elif not isinstance(here, dict):  # (a count)
+            continue
+        elif "param_groups" in here:  # an optimizer: its groups' sizes (the moments follow)
+            here, there = ({f"group {i}": torch.empty(len(g["params"]))
+                            for i, g in enumerate(d["param_groups"])}
+                           for d in (here, there or {"param_groups": []}))
+        there = there if isinstance(there, dict) else {}
+        for name in [*here, *(k for k in there if k not in here)]:
+            a, b = there.get(name), here.get(name)
+            if a is None or b is None or shape(a) != shape(b):
+                where = f"{section}.{name}".rstrip(".")
+                raise ArgsError(f"{ckpt['path']} does not fit the networks built now: {where} is "
+                                f"{shape(a)} there and {shape(b)} here; resume with the "
+                                "arguments it was trained with")
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """An optimizer's saved moments, with this run's settings (learning rate, weight decay
     and betas, from the saved arguments or the flags given on resume) and this machine's
@@ -117,5 +163,7 @@ def resume(args, argv: list[str], script: str, fixed: tuple[str, ...],
             raise ArgsError(f"--{key.replace('_', '-')} {getattr(merged, key)} does not match "
                             f"the checkpoint's {getattr(saved, key)}; a run continues with its "
                             "own shapes")
-    merged.run_dir = merged.run_dir or ckpt["dir"]
+    # (into the run dir resumed from, or the --run-dir given now: never the saved one, which
+    # is another run's when a run dir was copied)
+    merged.run_dir = args.run_dir or ckpt["dir"]
     return merged, ckpt

@@ -195,6 +195,8 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
     # learner is gone exits by itself, see _poll)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    with contextlib.suppress(OSError):  # the name that ps -e, top and pgrep show (15 bytes)
+        Path("/proc/self/comm").write_text(mp.current_process().name[:15])
     # (the learner blocked both while it started this process, which inherits that mask: a
     # signal sent while this process imported waits, and unblocked now it is discarded)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -440,14 +442,15 @@ class Collectors:
     @classmethod
     def create(cls, name: str, args, run_dir: str, actor: torch.nn.Module, obs_dim: int,
                act_dim: int) -> Collectors:
-        """Allocate the buffers (the weights sized for `actor`); no process starts yet."""
-        made = []
+        """Allocate the buffers (the weights sized for `actor`), named after the script
+        (/dev/shm/fastrl_{name}_replay_...); no process starts yet."""
+        made, prefix = [], f"fastrl_{name}"
         try:
             made.append(ReplayBuffer.create(args.num_envs, args.buffer_size // args.num_envs,
-                                            obs_dim, act_dim))
-            made.append(WeightSync.create(actor))
+                                            obs_dim, act_dim, prefix))
+            made.append(WeightSync.create(actor, prefix))
             made.append(Control.create(args.num_collectors,
-                                       TRACE_RING if args.trace else 0))
+                                       TRACE_RING if args.trace else 0, prefix))
             made[-1].all_counters[:, LEARNER_PID] = os.getpid()
         except BaseException:
             for mem in made:
@@ -469,7 +472,7 @@ class Collectors:
 
     def _spawn(self, index: int, start: dict | None) -> mp.Process:
         proc = mp.get_context("spawn").Process(
-            target=collector_main, daemon=True, name=f"{self.name}-collector-{index}",
+            target=collector_main, daemon=True, name=f"{self.name}-coll{index}",
             args=(self.make_env, self.make_policy, self.args, index, self.rb.spec,
                   self.ws.spec, self.ctrl.spec, self.run_dir, start))
         # the new process imports for seconds before collector_main ignores SIGINT and

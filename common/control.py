@@ -60,10 +60,10 @@ class Control:
         self.trace = arrays["trace"][index]
 
     @classmethod
-    def create(cls, num: int = 1, trace_ring: int = 0) -> Control:
+    def create(cls, num: int = 1, trace_ring: int = 0, prefix: str = "fastrl") -> Control:
         """Allocate a zeroed block with a row for each of `num` collectors (and a trace ring
         of `trace_ring` records in each; 0: no tracing)."""
-        return cls(SharedArrays.create(_specs(num, trace_ring), prefix="fastrl_ctrl"))
+        return cls(SharedArrays.create(_specs(num, trace_ring), prefix=f"{prefix}_ctrl"))
 
     @classmethod
     def attach(cls, spec: dict, index: int = 0, untrack: bool = False) -> Control:

@@ -58,10 +58,12 @@ class ReplayBuffer:
         return nbytes_of(_specs(num_envs, capacity, obs_dim, act_dim))
 
     @classmethod
-    def create(cls, num_envs: int, capacity: int, obs_dim: int, act_dim: int) -> ReplayBuffer:
-        """Allocate a buffer of `capacity` rows per env (so num_envs * capacity in total)."""
+    def create(cls, num_envs: int, capacity: int, obs_dim: int, act_dim: int,
+               prefix: str = "fastrl") -> ReplayBuffer:
+        """Allocate a buffer of `capacity` rows per env (so num_envs * capacity in total), in
+        the segment /dev/shm/{prefix}_replay_{pid}_{random}."""
         spec = dict(num_envs=num_envs, capacity=capacity, obs_dim=obs_dim, act_dim=act_dim)
-        arrays = SharedArrays.create(_specs(**spec), prefix="fastrl_replay")
+        arrays = SharedArrays.create(_specs(**spec), prefix=f"{prefix}_replay")
         spec["name"] = arrays.name
         return cls(arrays, spec)
 

@@ -36,11 +36,11 @@ class WeightSync:
         self.latest, self.slots = arrays["latest"], arrays["slots"]
 
     @classmethod
-    def create(cls, module: torch.nn.Module) -> WeightSync:
+    def create(cls, module: torch.nn.Module, prefix: str = "fastrl") -> WeightSync:
         """Allocate slots sized for `module`'s state_dict; nothing is published yet."""
         layout = [(k, tuple(v.shape)) for k, v in module.state_dict().items()]
         numel = sum(int(np.prod(s)) for _, s in layout)
-        arrays = SharedArrays.create(_specs(numel), prefix="fastrl_weights")
+        arrays = SharedArrays.create(_specs(numel), prefix=f"{prefix}_weights")
         arrays["version"][:] = -1
         arrays["latest"][0] = -1
         return cls(arrays, {"name": arrays.name, "numel": numel, "layout": layout})

@@ -154,9 +154,12 @@ def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
     assert (vr.lo, vr.hi) == (-2.0, 6.0)
     assert np.allclose(vr.g, [-2.0, -1.75])
     assert vr.support() == (-2.0 - 8 / 4, 6.0 + 8 / 2)
-    critics = fs.Critics(3, 1, 16, 11, args.v_min, args.v_max)
-    critics.set_support(*vr.changed_support())
-    assert torch.allclose(critics.support, torch.linspace(-4.0, 10.0, 11))
+    args = fs.dataclasses.replace(args, critic_hidden=16, num_atoms=11, actor_hidden=16)
+    learner = fs.Learner(args, 3, 1, np.array([-1.0], np.float32), np.array([1.0], np.float32),
+                         torch.device("cpu"))
+    learner.set_support(*vr.changed_support())  # (what the loop does with it)
+    for critics in (learner.critics, learner.critics_target):
+        assert torch.allclose(critics.support, torch.linspace(-4.0, 10.0, 11))
     # handed to the critics once: rows inside the range change nothing to hand over again
     vr.update(np.array([[1.0], [1.0]]), np.zeros((2, 1)))
     assert vr.changed_support() is None
