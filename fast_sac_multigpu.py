@@ -49,6 +49,7 @@ from common.collectors import (
     default_num_collectors,
 )
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
+from common.graph import IterationGraph
 from common.replay import Mirror, Sampler, batch_shapes
 from common.trace import NO_TIMELINE, Trace
 
@@ -187,7 +188,8 @@ class Args:
         "more (fast_path_default), else off")] = None
     """torch.compile the losses of the update steps"""
     cudagraphs: bool = False
-    """with --compile on CUDA: capture the compiled losses in CUDA graphs"""
+    """the learner's whole iteration in one CUDA graph (common/graph.py; --share-device: eager);
+    on a CPU with --compile False a stand-in, for tests"""
     amp: Annotated[bool | None, default("on with CUDA; on a CPU where --compile's default is "
                                         "on, unless --compile False")] = None
     """bf16 autocast in the update steps (the output layers stay float32)"""
@@ -460,17 +462,15 @@ class Explorer:
 
 class Learner:
     """Networks, optimizers and the update rule. The loop below the marker (`train`) uses
-    only what is named here: `actor` (an Actor: the collectors and evaluations act with its
-    weights, and its normalizer takes in every new row), `device`, `num_updates`,
-    `train_iteration`, `set_support`, `diagnostics`, STATE and FIXED. An idea that keeps
-    these needs no edit below the marker."""
+    only these: `actor` (the collectors and evaluations act with its weights; its normalizer
+    takes in every new row), `device`, `num_updates`, `train_iteration`, `set_support`,
+    `diagnostics`, STATE and FIXED: an idea that keeps them needs no edit below it."""
 
     # what a checkpoint holds (modules, optimizers, tensors), and the arguments a resumed
     # run must keep besides the loop's own (RESUME_FIXED): those that shape the networks
     STATE = ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "alpha_opt",
              "log_alpha")
     FIXED = ("actor_hidden", "critic_hidden", "num_atoms", "n_step", "v_min", "v_max")
-
 
     def __init__(self, args: Args, obs_dim, act_dim, low, high, device, info: D.DistInfo):
         self.args, self.device, self.info = args, device, info
@@ -681,7 +681,7 @@ def train(args: Args, info: D.DistInfo, resume: dict | None = None,
                 batch = prefetched or run.sample(written, window, loop["floor"])
                 run.last_obs = batch["obs"][:args.batch_size]  # (for diagnostics when logging)
                 mark = timeline.phase("learner/replay_sample", mark, {"chunks": chunks})
-                run.metrics = learner.train_iteration(batch)  # on a GPU this returns at once
+                run.metrics = train_step(run, batch)  # on a GPU this returns at once
                 mark, prefetched = timeline.now(), None
                 # (async: what every node completed, agreed on the CPU over gloo: no rank
                 # waits here for its GPU to finish the training just queued)
@@ -784,6 +784,11 @@ class Run:
         # the critics' support follows the returns seen (an env VALUE_RANGES lacks)
         self.value_range = ReturnRange(args.num_envs, args.gamma) if args.v_min is None else None
         self.collectors: Collectors | None = None
+        # --cudagraphs: the learner's iteration captured and replayed (see train_step); not
+        # over gloo on a GPU (gloo's collectives cannot be captured)
+        graphs = args.cudagraphs and not (info.backend == "gloo" and device.type == "cuda")
+        self.graph = IterationGraph(lambda batch: graphed_iteration(self.learner, batch),
+                                    self.learner, self.learner.STATE, device) if graphs else None
         self.sample: Sampler | Mirror | None = None
         # what a checkpoint carries besides the networks to continue the loop exactly; floor:
         # env-local steps below it hold no data (after a resume without the replay file)
@@ -893,6 +898,37 @@ class ReturnRange:
         self.lo, self.hi = state["lo"], state["hi"]
         if episodes_continue:
             self.g = state["g"].copy()
+
+
+def train_step(run: Run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The learner's iteration; with --cudagraphs its graph, replayed (common/graph.py): one
+    per turn of the actor's updates within an iteration (policy_frequency), whose updates
+    are counted here. A capture that fails says why in one line, and the run goes on eager."""
+    learner, args = run.learner, run.args
+    if run.graph is None:
+        return learner.train_iteration(batch)
+    n, mark = learner.num_updates, learner.timeline.now()
+    try:
+        metrics = run.graph(n % args.policy_frequency, batch)
+    except Exception as e:
+        print(f"warning: --cudagraphs failed ({type(e).__name__}: "
+              f"{(str(e).strip().splitlines() or [''])[0][:200]}); going on eager",
+              file=sys.stderr, flush=True)
+        run.graph = None
+        return learner.train_iteration(batch)
+    learner.num_updates = n + args.updates_per_iter
+    learner.timeline.phase("learner/graph_replay", mark)
+    return metrics
+
+
+def graphed_iteration(learner: Learner, batch: dict[str, torch.Tensor]) -> dict:
+    """train_iteration as a graph records it: a run that leaves the update count as it was
+    (train_step counts a replay's updates), so that every run starts at the same turn."""
+    n = learner.num_updates
+    try:
+        return learner.train_iteration(batch)
+    finally:
+        learner.num_updates = n
 
 
 def log_iteration(run: Run, done: bool) -> None:
@@ -1149,11 +1185,9 @@ def warm_up(learner: Learner, asked: bool = True) -> float | None:
 
 
 def compile_settings(args: Args, device: torch.device) -> dict:
-    """torch.compile's mode or options: CUDA graphs with --cudagraphs; on a CPU, inductor's
-    C++ wrapper, which calls the kernels from C++ (1.06x the updates/s, docs/performance.md),
-    where Python's headers are there: it builds each graph as an extension module."""
-    if args.cudagraphs:
-        return {"mode": "reduce-overhead"}
+    """torch.compile's options: on a CPU, inductor's C++ wrapper, which calls the kernels
+    from C++ (1.06x the updates/s, docs/performance.md), where Python's headers are there:
+    it builds each graph as an extension module."""
     headers = os.path.exists(os.path.join(sysconfig.get_path("include"), "Python.h"))
     return {"options": {"cpp_wrapper": device.type == "cpu" and headers}}
 
@@ -1457,8 +1491,9 @@ def check_args(args: Args, check_shm: bool = True) -> None:
             raise ArgsError(f"--{name.replace('_', '-')} must be "
                             f"{'positive' if low == 1 else f'at least {low}'}, "
                             f"got {getattr(args, name)}")
-    if args.cudagraphs and not (args.device == "cuda" and args.compile):
-        raise ArgsError("--cudagraphs needs a CUDA learner and --compile")
+    if args.cudagraphs and args.device == "cpu" and args.compile:
+        raise ArgsError("--cudagraphs on a CPU is a stand-in that replays eager ops (for "
+                        "tests): add --compile False")
     if not 1 <= args.num_collectors <= args.num_envs:
         raise ArgsError(f"--num-collectors must lie in [1, --num-envs ({args.num_envs})], got "
                         f"{args.num_collectors}: each collector steps at least one env")

@@ -11,25 +11,31 @@
 # which travels with the call (carry [".whl"]) and is installed below.
 #
 # Steps, most decisive first; each writes its results as it goes, so a step stopped by its
-# time limit keeps what it finished. The first four always run (their limits add up to less
-# than the budget); each later one runs only if the budget still holds its limit:
+# time limit keeps what it finished. The first four always run (their limits add up to the
+# budget); each later one runs only if the budget still holds its limit:
 #   machine            GPU, driver, packages, /dev/shm and GPU memory; sizes the buffers
-#   learner_speed      updates/s: eager, bf16, compile, CUDA graphs (the GPU recipe's shapes),
-#                      each with the FLOPs of an update, the GPU's matmul peak in its dtype
-#                      and the fraction of that limit the learner reaches
+#   graph_equals_eager --cudagraphs against eager on the GPU recipe's shapes, from one state
+#                      and the same batches (benchmarks/graph_check.py: its tolerance, and a
+#                      stale-batch run that must fall outside it)
+#   learner_speed      updates/s: bf16 eager, compile, the whole-iteration graph eager and
+#                      compiled (the GPU recipe's shapes), each with the FLOPs of an update,
+#                      the GPU's matmul peak in its dtype, the fraction of that limit the
+#                      learner reaches and the kernels an update launches
 #   learn              does the GPU recipe learn: python fast_sac.py --env Humanoid with the
-#                      CUDA defaults for 5 minutes (benchmarks/curves.py stops it), evaluated
-#                      every 25k env steps; minutes to 1,000 / 3,000 / 5,000
+#                      CUDA defaults and --cudagraphs for 5 minutes (benchmarks/curves.py
+#                      stops it), evaluated every 25k env steps; minutes to 1,000 / 3,000 / 5,000
 #   two_ranks          torchrun, two gloo ranks sharing the GPU (--share-device): the
 #                      multi-GPU device code on one GPU; the ranks' parameters must agree
 #   fast_sac           one end-to-end Humanoid-v5 run with the CUDA defaults
-#   multigpu           torchrun, one rank: NCCL init, broadcast, all-reduce, barriers, exit
+#   multigpu           torchrun, one rank, --cudagraphs: NCCL init, broadcast, the all-reduce
+#                      inside the graph, barriers, exit
 #   fast_td3           a short fast_td3.py run
-#   cudagraphs         a short fast_sac.py --cudagraphs run
+#   cudagraphs         a short fast_sac.py --cudagraphs run (the learn step's flags, less time)
 #   sample_time        one iteration's sample: host gather + copy vs the GPU mirror
 #   collector_scaling  K = 1, 2, 4, 8 collectors
 # What comes back from $OUT:
 #   gpu_check.log       every step's output, with its command, time limit, exit status, time
+#   graph_check.json    graph_equals_eager: the differences, the tolerance, PASS or FAIL
 #   learner_speed.json  a row per mode, written after each
 #   runs.jsonl          a line per training run: its summary.json, with the step's name
 #   learn_curves.md/.json/.png  the learn step's curve (eval return against minutes, env
@@ -64,10 +70,12 @@ SKIPPED=""
 # twice, plain and CUDA graphs: the later runs at the same shapes find those kernels in
 # inductor's cache, fast_td3 compiles its own). learn: 5 minutes from its process start,
 # then its checkpoint and the table
-declare -A CAP=([machine]=30 [learner_speed]=130 [learn]=330 [two_ranks]=55 [fast_sac]=85
-                [multigpu]=70 [fast_td3]=75 [cudagraphs]=85 [sample_time]=40
-                [collector_scaling]=65)
-DECISIVE=(machine learner_speed learn two_ranks)   # always run: their limits fit the budget
+# graph_equals_eager: four learners on 5 iterations, each compiling its losses (the later
+# three from inductor's cache)
+declare -A CAP=([machine]=30 [graph_equals_eager]=75 [learner_speed]=110 [learn]=330
+                [two_ranks]=55 [fast_sac]=85 [multigpu]=70 [fast_td3]=75 [cudagraphs]=85
+                [sample_time]=40 [collector_scaling]=65)
+DECISIVE=(machine graph_equals_eager learner_speed learn)   # always run: their limits fit
 total=$INSTALL_S
 for name in "${DECISIVE[@]}"; do total=$((total + CAP[$name])); done
 if [ "$total" -gt "$BUDGET_S" ]; then
@@ -125,31 +133,33 @@ print(sys.argv[1], s['status'], s['total_env_steps'], 'env steps', s['num_update
 
 if [ "$DRY" = 1 ]; then   # tiny sizes on the CPU; the same steps and files
     DEVICE=cpu
-    SPEED=(--batch-sizes 32 --hidden 32 --updates-per-iter 2 --modes eager amp
+    SPEED=(--batch-sizes 32 --hidden 32 --updates-per-iter 2 --modes eager graph
            --iterations 2 --repeats 1 --warmup 1)
+    GRAPH_CHECK=(--device cpu --dry-run)
     SIZES=(--device cpu --num-envs 2 --batch-size 32 --actor-hidden 32 --critic-hidden 32
            --num-atoms 21 --learning-starts 100 --steps-per-iter 10 --updates-per-iter 2
            --buffer-size 20000 --total-timesteps 200)
     SHORT=("${SIZES[@]}")
-    GRAPHS=()   # (CUDA graphs need CUDA: the dry run checks the rest of that step)
+    GRAPHS=(--cudagraphs)   # (the CPU stand-in: compile stays off for these sizes)
     SAMPLE=(--device cpu --num-envs 4 --buffer-size 20000 --rows 1024 --iterations 2
             --gather-threads 1)
     SCALING=(--collectors 1 2 --steps-per-collector 80)
     LEARN=(--minutes 1 --eval-interval 100)
-    LEARN_EXTRA="${SIZES[*]} --eval-episodes 1"
+    LEARN_EXTRA="${SIZES[*]} --eval-episodes 1 --cudagraphs"
 else
     DEVICE=cuda
     # the GPU recipe's shapes (batch 4096, 32 updates, actor 512, critics 1024), so that the
     # runs below find their compiled kernels in the cache these rows fill
     SPEED=(--batch-sizes 4096 --hidden 512 --critic-hidden 1024 --updates-per-iter 32
-           --iterations 5 --repeats 3 --warmup 3)
+           --modes amp compile graph cudagraphs --iterations 5 --repeats 3 --warmup 3)
+    GRAPH_CHECK=(--device cuda)
     SIZES=(--total-timesteps 25000)
     SHORT=(--total-timesteps 12000)
     GRAPHS=(--cudagraphs)
     SAMPLE=(--device cuda --iterations 5)
     SCALING=(--collectors 1 2 4 8)
     LEARN=(--minutes 5 --eval-interval 25000)
-    LEARN_EXTRA="--eval-episodes 3"
+    LEARN_EXTRA="--eval-episodes 3 --cudagraphs"
 fi
 RUN=(--env Humanoid-v5 --eval-interval 0 --eval-episodes 2 --log-interval 10)
 
@@ -175,6 +185,9 @@ print('replay buffer rows', rows, f'({rows * row / 2**30:.2f} GiB)')
 open('$WORK/buffer_size', 'w').write(str(rows // 64 * 64))" || exit 1
 BUF=(--buffer-size "$(cat "$WORK/buffer_size")")
 [ "$DRY" = 1 ] && BUF=()   # (SIZES has its own)
+
+step graph_equals_eager python3 benchmarks/graph_check.py "${GRAPH_CHECK[@]}" \
+    --out "$OUT/graph_check.json"
 
 step learner_speed python3 benchmarks/learner_speed.py --device "$DEVICE" "${SPEED[@]}" \
     --out "$OUT/learner_speed.json"
@@ -211,7 +224,7 @@ print('learner_efficiency', round(run / alone[0], 3) if alone and run else None,
       'alone', alone[:1])" 2>&1 | tee -a "$LOG"
 
 step multigpu python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
-    fast_sac_multigpu.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" --eval-episodes 1 \
+    fast_sac_multigpu.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" "${GRAPHS[@]}" --eval-episodes 1 \
     --run-dir "$WORK/multigpu" && keep multigpu "$WORK/multigpu"
 
 step fast_td3 python3 fast_td3.py "${RUN[@]}" "${SHORT[@]}" "${BUF[@]}" --eval-episodes 1 \

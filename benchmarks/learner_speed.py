@@ -14,7 +14,12 @@ after warm-up iterations that also absorb compilation. Modes:
   amp              bf16 autocast
   compile          torch.compile of the losses (+ bf16 autocast on CUDA)
   compile-amp      torch.compile of the losses + bf16 autocast, on any device
-  cudagraphs       compile in reduce-overhead mode: CUDA graphs (+ bf16 on CUDA; CUDA only)
+  graph            --cudagraphs: the whole iteration in one CUDA graph, replayed as a run
+                   does (train_step; + bf16 on CUDA); on a CPU the stand-in, for a dry run
+  cudagraphs       the same with torch.compile's losses inside the graph (CUDA only)
+Each row also gives the kernels an update launches (CUDA kernels, or aten ops on a CPU,
+counted by torch.profiler over one eager iteration) and the launches from Python per update:
+as many as the kernels eager, 1 / updates per iteration through the graph.
 Prints a table (median of --repeats timings) and writes JSON, rewritten after every row, so a
 run stopped by a time limit keeps the rows it finished. With --interleave the modes of one
 shape are timed in turn, one timing each per repeat, so that a slow spell of a shared
@@ -43,6 +48,7 @@ import json
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +58,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from common.graph import IterationGraph  # noqa: E402
 
 
 @dataclass
@@ -68,7 +76,8 @@ class Bench:
     """network widths (the actor's; the critics' too unless --critic-hidden is given)"""
     critic_hidden: int | None = None
     """the critics' width, if not --hidden's (the GPU recipe: actor 512, critics 1024)"""
-    modes: list[str] = field(default_factory=lambda: ["eager", "amp", "compile", "cudagraphs"])
+    modes: list[str] = field(default_factory=lambda: ["eager", "amp", "compile", "graph",
+                                                      "cudagraphs"])
     """fast-path settings to compare"""
     threads: list[int] = field(default_factory=lambda: [0])
     """torch CPU threads (0: leave as is)"""
@@ -96,6 +105,7 @@ class Bench:
 
 MODES = {"eager": dict(compile=False, amp=False), "amp": dict(compile=False, amp=True),
          "compile": dict(compile=True, amp=None), "compile-amp": dict(compile=True, amp=True),
+         "graph": dict(compile=False, amp=None, cudagraphs=True),
          "cudagraphs": dict(compile=True, amp=None, cudagraphs=True)}  # (None: on with CUDA)
 
 
@@ -133,13 +143,25 @@ def prepare_learner(b: Bench, args, profile_name: str | None = None):
     --profile)."""
     cuda = b.device == "cuda"
     learner, batch_data = make_learner(b, args)
+    step = learner.train_iteration
+    if args.cudagraphs:  # the whole iteration's graph, replayed as a run does (train_step)
+        script = importlib.import_module(b.script)
+        loop = types.SimpleNamespace(learner=learner, args=args, graph=IterationGraph(
+            lambda x: script.graphed_iteration(learner, x), learner, learner.STATE,
+            learner.device))
+
+        def step(x):
+            metrics = script.train_step(loop, x)
+            if loop.graph is None:
+                raise RuntimeError("the capture failed (see the warning above)")
+            return metrics
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
     for _ in range(b.warmup):
-        learner.train_iteration(batch_data)
+        step(batch_data)
     sync()
     todo = [profile_name] if b.profile and profile_name else []
 
@@ -148,7 +170,7 @@ def prepare_learner(b: Bench, args, profile_name: str | None = None):
         with prof:
             t0 = time.perf_counter()
             for _ in range(b.iterations):
-                metrics = learner.train_iteration(batch_data)
+                metrics = step(batch_data)
             sync()
             seconds = time.perf_counter() - t0
         if todo:
@@ -191,6 +213,22 @@ def flops_per_update(b: Bench, args) -> float:
     return counter.get_total_flops() / args.updates_per_iter
 
 
+def kernels_per_update(b: Bench, args) -> float:
+    """Kernels one eager update launches: the CUDA kernels (on a CPU the innermost aten ops)
+    that torch.profiler sees in one iteration of `args`'s shapes, divided by its updates."""
+    learner, batch_data = make_learner(b, dataclasses.replace(args, compile=False))
+    learner.train_iteration(batch_data)  # (the optimizers' state exists from here on)
+    with profiler(b) as prof:
+        learner.train_iteration(batch_data)
+        if b.device == "cuda":
+            torch.cuda.synchronize()
+    if b.device == "cuda":
+        n = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    else:
+        n = sum(e.name.startswith("aten::") and not e.cpu_children for e in prof.events())
+    return n / args.updates_per_iter
+
+
 def matmul_peak(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> dict:
     """GFLOP/s of plain matmuls (m x k times k x n) on this device and these threads: the
     best of `shapes` is the peak."""
@@ -198,7 +236,7 @@ def matmul_peak(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, in
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(k, n, device=device).to(dtype)
-        reps = max(5, int(2e9 / (2 * m * k * n)))
+        reps = min(max(5, int(2e9 / (2 * m * k * n))), 2000)  # (a dry run's tiny shapes)
         best = 0.0
         for _ in range(3):  # (the best of three timings of `reps` matmuls)
             for _ in range(2):
@@ -240,7 +278,7 @@ def main(b: Bench) -> None:
             json.dump({"device": device_name, "torch": torch.__version__, "env": b.env,
                        "rows": rows}, f, indent=2)
 
-    def report(hidden, batch, mode, runs, flops):
+    def report(hidden, batch, mode, runs, flops, kernels):
         bf16 = MODES[mode]["amp"] is not False and (MODES[mode]["amp"] or b.device == "cuda")
         dtype = torch.bfloat16 if bf16 else torch.float32
         key = (torch.get_num_threads(), dtype, hidden, batch)
@@ -259,14 +297,18 @@ def main(b: Bench) -> None:
                          updates_per_iter=b.updates_per_iter, mode=mode) | row | dict(
             gflop_per_update=round(flops / 1e9, 4), dtype=str(dtype).split(".")[-1],
             matmul_gflops=peaks[key], limit_updates_per_s=round(limit, 1),
-            of_limit=row["updates_per_s"] and float(f"{row['updates_per_s'] / limit:.4g}")))
+            of_limit=row["updates_per_s"] and float(f"{row['updates_per_s'] / limit:.4g}"),
+            kernels_per_update=round(kernels, 1), launches_per_update=round(
+                1 / b.updates_per_iter if MODES[mode].get("cudagraphs") else kernels, 3)))
         write()
         speed = (f"{row['updates_per_s']:8.1f}" if row["updates_per_s"]
                  else "  failed " + row["error"])
         print(f"threads {rows[-1]['threads']:2d} | hidden {hidden:4d} | batch {batch:5d} | "
               f"{mode:11s} | updates/s {speed} | {flops / 1e9:.3f} GFLOP/update | "
               f"{rows[-1]['dtype']} peak {peak:6.1f} GFLOP/s | limit {limit:6.1f} | "
-              f"of limit {rows[-1]['of_limit']}", flush=True)
+              f"of limit {rows[-1]['of_limit']} | launches/update "
+              f"{rows[-1]['launches_per_update']} (kernels {rows[-1]['kernels_per_update']})",
+              flush=True)
 
     for threads in b.threads:
         if threads:
@@ -275,6 +317,7 @@ def main(b: Bench) -> None:
             for batch in b.batch_sizes:
                 modes = [m for m in b.modes if m != "cudagraphs" or b.device == "cuda"]
                 flops = flops_per_update(b, setting_args(b, hidden, batch, "eager"))
+                kernels = kernels_per_update(b, setting_args(b, hidden, batch, "amp"))
                 # one group of all modes with --interleave, else a group per mode (so that a
                 # mode's learner is gone before the next one's is built)
                 for group in [modes] if b.interleave else [[m] for m in modes]:
@@ -295,7 +338,7 @@ def main(b: Bench) -> None:
                                 rates[mode] = f"{type(e).__name__}: {e}"[:300]
                                 del timers[mode]
                     for mode in group:
-                        report(hidden, batch, mode, rates[mode], flops)
+                        report(hidden, batch, mode, rates[mode], flops, kernels)
 
 
 if __name__ == "__main__":

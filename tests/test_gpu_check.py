@@ -18,16 +18,22 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_every_file(tmp_path, no_sh
                          env=dict(os.environ, OUT=str(out)))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     log = (out / "gpu_check.log").read_text()
-    steps = ["machine", "learner_speed", "learn", "two_ranks", "fast_sac", "multigpu",
-             "fast_td3", "cudagraphs", "sample_time", "collector_scaling"]
+    steps = ["machine", "graph_equals_eager", "learner_speed", "learn", "two_ranks",
+             "fast_sac", "multigpu", "fast_td3", "cudagraphs", "sample_time",
+             "collector_scaling"]
     for name in steps:
         assert f"== {name}: exit 0 after" in log, name
     assert [log.index(f"== {name} (timeout") for name in steps] == sorted(
         log.index(f"== {name} (timeout") for name in steps)  # in the decisive order
     assert "failed: none; skipped for time: none" in log
     speed = json.loads((out / "learner_speed.json").read_text())
-    assert [r["mode"] for r in speed["rows"]] == ["eager", "amp"]
-    assert all(r["updates_per_s"] > 0 for r in speed["rows"])
+    assert [r["mode"] for r in speed["rows"]] == ["eager", "graph"]
+    assert all(r["updates_per_s"] > 0 and r["kernels_per_update"] > 0 for r in speed["rows"])
+    assert speed["rows"][1]["launches_per_update"] == 0.5  # (one graph per 2 updates)
+    graph = json.loads((out / "graph_check.json").read_text())  # (the CPU stand-in: exact)
+    assert graph["graph_equals_eager"] and graph["difference_over_change"]["graph"] == 0
+    assert graph["difference_over_change"]["stale_batch"] > 0.1
+    assert "cudagraphs failed" not in log
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs] == ["learn", "two_ranks", "fast_sac", "multigpu",
                                          "fast_td3", "cudagraphs"]
@@ -55,8 +61,8 @@ def test_gpu_check_steps_runs_only_the_steps_named(tmp_path, no_shm_leak):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     log = (out / "gpu_check.log").read_text()
     assert "== machine: exit 0 after" in log and "== fast_sac: exit 0 after" in log
-    for name in ("learner_speed", "learn", "two_ranks", "multigpu", "fast_td3", "cudagraphs",
-                 "sample_time", "collector_scaling"):
+    for name in ("graph_equals_eager", "learner_speed", "learn", "two_ranks", "multigpu",
+                 "fast_td3", "cudagraphs", "sample_time", "collector_scaling"):
         assert f"== {name}: not in GPU_CHECK_STEPS" in log, name
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs] == ["fast_sac"] and runs[0]["num_updates"] > 0
