@@ -1,4 +1,6 @@
+import difflib
 import glob
+import importlib
 import os
 import re
 import subprocess
@@ -8,6 +10,82 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# --script FILE: a researcher's copy of one of these (README: cp fast_sac.py my_sac.py) stands
+# in for it in every test, and the tests of the other two are skipped. A test says which of
+# them it runs or imports with a `script` parameter, else with pytest.mark.script(*names)
+# (on the test, or as its module's pytestmark); a test with neither runs whatever the copy.
+ORIGINALS = ("fast_sac.py", "fast_td3.py", "fast_sac_multigpu.py")
+COPY: tuple[str, str] | None = None  # (the copy's file name, the original it was copied from)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--script", metavar="FILE", help=(
+        "a copy of fast_sac.py, fast_td3.py or fast_sac_multigpu.py next to them (the one "
+        "whose text it is closest to): it stands in for that one in every test, and the "
+        "tests of the other two are skipped"))
+
+
+def pytest_configure(config):
+    global COPY
+    path = config.getoption("--script")
+    if not path:
+        return
+    name = os.path.basename(path)
+    if not os.path.isfile(path) or os.path.dirname(os.path.abspath(path)) != ROOT:
+        raise pytest.UsageError(f"--script {path}: no such file in {ROOT} (copy the script "
+                                "there, next to the originals: it imports common/)")
+    if not name.endswith(".py") or not name.removesuffix(".py").isidentifier():
+        raise pytest.UsageError(f"--script {path}: the tests import it as a module, so its "
+                                "name must be one, e.g. my_sac.py")
+    COPY = (name, copied_from(path))
+
+
+def copied_from(path: str) -> str:
+    """The original whose text `path`'s is closest to, line by line: a copy whose algorithm
+    was rewritten still shares the rest, most of its lines, with the one it came from."""
+    def lines(file):
+        with open(file) as f:
+            return f.read().splitlines()
+
+    copy = lines(path)
+    return max(ORIGINALS, key=lambda name: difflib.SequenceMatcher(
+        None, copy, lines(os.path.join(ROOT, name)), autojunk=False).ratio())
+
+
+def pytest_report_header(config):
+    if COPY:
+        return f"--script {COPY[0]}: a copy of {COPY[1]}, tested in its place"
+
+
+def pytest_collection_modifyitems(config, items):
+    """With --script, skip the tests that concern only other originals than the copy's."""
+    if COPY is None:
+        return
+    for item in items:
+        callspec, mark = getattr(item, "callspec", None), item.get_closest_marker("script")
+        if callspec and "script" in callspec.params:
+            names = [callspec.params["script"]]
+        elif mark:
+            names = mark.args
+        else:
+            continue
+        if COPY[1] not in names:
+            item.add_marker(pytest.mark.skip(
+                reason=f"a test of {' and '.join(names)}; --script {COPY[0]} copies {COPY[1]}"))
+
+
+def script_file(name: str) -> str:
+    """The file to run for the original `name` (e.g. "fast_sac.py"): the --script copy if it
+    was copied from `name`, else `name`."""
+    return COPY[0] if COPY and COPY[1] == name else name
+
+
+def script_module(name: str):
+    """script_file(name) imported as a module, by its own name: the collector processes that
+    a script starts import it again by that name (to unpickle Explorer and make_env)."""
+    return importlib.import_module(script_file(name).removesuffix(".py"))
+
 
 # tiny networks and batches: these runs check plumbing, not learning (eager: the tests
 # choose the speed flags themselves, so that a long run never spends a minute compiling)
@@ -90,9 +168,11 @@ def no_shm_leak():
 
 def run_script(script: str, *flags: str, timeout: float = 300, env: dict | None = None,
                **kw) -> subprocess.CompletedProcess:
+    """Runs `script` (script_file's: the --script copy in its original's place)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env, **kw)
+    return subprocess.run([sys.executable, os.path.join(ROOT, script_file(script)), *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+                          **kw)
 
 
 def read_until(proc, done, seconds: float = 300, text: str = "") -> str:

@@ -1,6 +1,8 @@
 """Run under torchrun with 2 processes: the all-reduced gradient of two ranks on batches A and
-B must equal the single-process gradient on A and B together."""
+B must equal the single-process gradient on A and B together. Its argument: the module to
+check (default fast_sac_multigpu; the tests give the --script copy's)."""
 
+import importlib
 import os
 import sys
 
@@ -8,7 +10,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-import fast_sac_multigpu as m  # noqa: E402
+m = importlib.import_module(sys.argv[1] if len(sys.argv) > 1 else "fast_sac_multigpu")
 from common import dist as D  # noqa: E402
 
 info = D.init("gloo", "cpu")

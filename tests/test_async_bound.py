@@ -3,9 +3,13 @@
 import time
 
 import numpy as np
+import pytest
+from conftest import script_module
 
-import fast_sac as fs
 from common.collectors import Collectors, async_window_chunks
+
+fs = script_module("fast_sac.py")
+pytestmark = pytest.mark.script("fast_sac.py")
 
 
 def test_async_collectors_wait_for_a_slow_sampler(tmp_path, no_shm_leak):

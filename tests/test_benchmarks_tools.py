@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from conftest import SMALL, run_script
+from conftest import SMALL, run_script, script_file
 
 # SMALL without the flags that curves.py sets itself
 TINY = [a for i, a in enumerate(SMALL) if not ({SMALL[i - 1], a} & {"--eval-interval"})]
@@ -16,6 +16,7 @@ def png(path) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac.py")
 def test_plot_tag_draws_training_returns_and_names_missing_tags(tmp_path, no_shm_leak):
     run_dir = str(tmp_path / "run")
     res = run_script("fast_sac.py", *SMALL, "--total-timesteps", "1000", "--run-dir", run_dir)
@@ -31,9 +32,10 @@ def test_plot_tag_draws_training_returns_and_names_missing_tags(tmp_path, no_shm
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac.py")
 def test_curves_sweep_tabulates_reuses_and_reruns_on_new_arguments(tmp_path, no_shm_leak):
-    out = str(tmp_path / "curves")
-    sweep = [os.path.join("benchmarks", "curves.py"), "--scripts", "fast_sac", "--envs",
+    out, name = str(tmp_path / "curves"), script_file("fast_sac.py").removesuffix(".py")
+    sweep = [os.path.join("benchmarks", "curves.py"), "--scripts", name, "--envs",
              "Pendulum-v1", "--seeds", "1", "--steps", "600", "--eval-interval", "200",
              "--out-dir", out]
     extra = " ".join(TINY[2:])  # (without --env)
@@ -41,12 +43,12 @@ def test_curves_sweep_tabulates_reuses_and_reruns_on_new_arguments(tmp_path, no_
     assert res.returncode == 0, res.stderr[-3000:]
     with open(os.path.join(out, "curves.json")) as f:
         (row,) = json.load(f)["rows"]
-    assert row["script"] == "fast_sac" and row["env_steps"] == [600]
+    assert row["script"] == name and row["env_steps"] == [600]
     assert row["final_eval"][0] is not None and -2000 < row["final_eval"][0] <= 0
     assert "### Pendulum-v1" in res.stdout and png(os.path.join(out, "curves.png"))
     # the table says where, when and how: the CPU model, the commit, each run's command
     assert "Made on " in res.stdout and ", commit " in res.stdout
-    assert "python fast_sac.py --env Pendulum-v1 --seed 1 --run-dir" in res.stdout
+    assert f"python {name}.py --env Pendulum-v1 --seed 1 --run-dir" in res.stdout
     res = run_script(*sweep, f"--extra={extra}")  # the same command: nothing runs again
     assert res.returncode == 0 and "reusing" in res.stdout, res.stdout[-2000:]
     res = run_script(*sweep, f"--extra={extra} --seed 1")  # other arguments: it runs again

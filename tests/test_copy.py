@@ -6,8 +6,11 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 from conftest import SMALL, run_script
+
+pytestmark = pytest.mark.script("fast_sac.py")
 
 
 def tree_digest(path: str) -> dict[str, str]:

@@ -13,14 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ORIGINALS, ROOT, script_file, script_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fast_sac as fs
 from common.collectors import check_mirror_fits, collector_main, env_slice
 from common.control import FINISHED, Control
 from common.replay import ReplayBuffer
 from common.weights import WeightSync
+
+fs = script_module("fast_sac.py")
+pytestmark = pytest.mark.script("fast_sac.py")  # (but for those parametrized by `script`)
 
 
 def brute_force_projection(probs, rewards, discounts, support):
@@ -42,6 +44,7 @@ def brute_force_projection(probs, rewards, discounts, support):
     return out
 
 
+@pytest.mark.algorithm
 def test_c51_projection_matches_brute_force():
     g = torch.Generator().manual_seed(0)
     support = torch.linspace(-10, 10, 21, dtype=torch.float64)
@@ -58,6 +61,7 @@ def test_c51_projection_matches_brute_force():
     np.testing.assert_allclose(got.sum(1), 1.0)
 
 
+@pytest.mark.algorithm
 def test_c51_projection_puts_mass_at_v_max_on_the_last_atom_despite_rounding():
     """In float32, (v_max - v_min) / delta is 100.0000076 on this support of 101 atoms, so a
     target clamped to v_max once pointed one atom past the end (an index error in eager
@@ -83,6 +87,7 @@ def test_normalizer_matches_numpy_over_chunks():
     assert norm.count.item() == 1000
 
 
+@pytest.mark.algorithm
 def test_actor_log_prob_matches_change_of_variables():
     torch.manual_seed(0)
     low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
@@ -131,6 +136,7 @@ def test_recipe_defaults_fill_only_unset_fields():
     assert args.env == "Pendulum-v1" and (args.v_min, args.v_max) == fs.VALUE_RANGES["Pendulum"]
 
 
+@pytest.mark.algorithm
 @pytest.mark.parametrize("env, n_step, target_entropy", [
     ("Hopper", 3, -0.5), ("Walker2d", 3, -0.5), ("HalfCheetah", 1, -0.5), ("Humanoid", 1, 0.42)])
 def test_family_defaults_fill_n_step_and_target_entropy_unless_given(env, n_step,
@@ -141,6 +147,7 @@ def test_family_defaults_fill_n_step_and_target_entropy_unless_given(env, n_step
     assert (args.n_step, args.target_entropy) == (2, 0.0)
 
 
+@pytest.mark.algorithm
 def test_support_of_an_env_the_table_lacks_follows_the_returns_seen():
     """Reacher is not in VALUE_RANGES: no --v-min/--v-max, and ReturnRange's support spans
     the lowest and highest discounted running return seen (and 0), with headroom."""
@@ -240,6 +247,7 @@ def test_target_update_keeps_targets_out_of_autograd():
         assert not torch.equal(old, p)  # but they did move towards the online critics
 
 
+@pytest.mark.script(*ORIGINALS)  # (common/'s alone)
 def test_env_slices_partition_the_envs():
     for num_envs in (1, 5, 8, 32):
         for k in range(1, num_envs + 1):
@@ -250,6 +258,7 @@ def test_env_slices_partition_the_envs():
             assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.script(*ORIGINALS)  # (common/'s alone)
 def test_control_rows_are_per_collector(no_shm_leak):
     ctrl = Control.create(3)
     try:
@@ -324,6 +333,7 @@ def test_logged_grad_norms_are_those_of_the_last_updates():
 
 
 @pytest.mark.slow
+@pytest.mark.algorithm
 def test_compiled_and_bf16_updates_agree_with_eager():
     """--compile computes the same updates (it draws the same noise, eagerly: Learner.noise);
     --amp stays close to float32."""
@@ -337,13 +347,18 @@ def test_compiled_and_bf16_updates_agree_with_eager():
     assert bf16["qf_loss"] == pytest.approx(eager["qf_loss"], rel=0.02)
 
 
-def test_gpu_only_flags_are_refused_on_cpu():
-    with pytest.raises(fs.ArgsError, match="--cudagraphs needs a CUDA learner"):
-        fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True))
+def test_cudagraphs_on_a_cpu_is_eager_and_the_gpu_data_path_stays_off():
+    """--cudagraphs on a CPU is the stand-in that replays eager ops (common/graph.py): with
+    --compile it is refused with the fix, without it accepted."""
+    with pytest.raises(fs.ArgsError, match="add --compile False"):
+        fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True, compile=True))
+    assert fs.resolve_args(fs.Args(env="Pendulum", device="cpu", cudagraphs=True,
+                                   compile=False)).cudagraphs
     args = fs.resolve_args(fs.Args(env="Pendulum", device="cpu"))
     assert not (args.prefetch or args.replay_mirror)  # the GPU's data path stays off
 
 
+@pytest.mark.algorithm
 def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
     """--compile and --amp default to on for a long CPU run where the CPU multiplies bf16
     natively and a C++ compiler is there; off for a short try, after --compile False, and on
@@ -371,7 +386,7 @@ def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
                                                  "clang++, or $CXX)")
     # the line a run prints at its start says what was chosen and why
     line = fs.settings_line(args, frozenset({"compile", "amp"}))
-    assert line.startswith("fast_sac on cpu (") and "8 envs in 1 collector(s)" in line
+    assert line.startswith(f"{fs.SCRIPT} on cpu (") and "8 envs in 1 collector(s)" in line
     assert "batch 256 x 8 updates per 8 steps of each env, actor 256, critics 256" in line
     assert "eager float32 (no C++ compiler for torch.compile" in line
 
@@ -380,14 +395,15 @@ def test_cpu_fast_path_defaults_follow_the_cpu_and_the_run_length(monkeypatch):
 def test_help_shows_what_each_machine_dependent_default_becomes(script):
     """--help says what a field that resolve_args fills becomes (a recipe size its CPU and
     GPU values), never a bare None."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
+    res = subprocess.run([sys.executable, os.path.join(ROOT, script_file(script)), "--help"],
                          capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, COLUMNS="200"))
     assert res.returncode == 0, res.stderr
     text = " ".join(re.sub("[│╭╮╰╯─]", " ", res.stdout).split())
     assert text.count("(default: None)") == 3, text  # --run-dir, --resume, --checkpoint
-    for name, cpu in fs.CPU_RECIPE.items():
-        gpu = fs.GPU_RECIPE[name]
+    mod = script_module(script)
+    for name, cpu in mod.CPU_RECIPE.items():
+        gpu = mod.GPU_RECIPE[name]
         shown = f"{cpu:,}" if cpu == gpu else f"CPU {cpu:,}, GPU {gpu:,}"
         assert f"(default: {shown})" in text, name
     assert "(default: 100000)" in text  # --save-interval
@@ -395,13 +411,11 @@ def test_help_shows_what_each_machine_dependent_default_becomes(script):
 
 def test_cpp_wrapper_only_on_a_cpu_with_python_headers(monkeypatch, tmp_path):
     """--compile uses inductor's C++ wrapper on a CPU where Python.h is there (it builds each
-    graph as an extension module); without the headers, on CUDA, and with --cudagraphs, not."""
+    graph as an extension module); without the headers and on CUDA, not."""
     args, cpu = fs.Args(), torch.device("cpu")
     headers = (Path(sysconfig.get_path("include")) / "Python.h").exists()
     assert fs.compile_settings(args, cpu) == {"options": {"cpp_wrapper": headers}}
     assert fs.compile_settings(args, torch.device("cuda")) == {"options": {"cpp_wrapper": False}}
-    assert fs.compile_settings(dataclasses.replace(args, cudagraphs=True), cpu) == {
-        "mode": "reduce-overhead"}
     monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))  # no Python.h
     assert fs.compile_settings(args, cpu) == {"options": {"cpp_wrapper": False}}
 
@@ -447,6 +461,7 @@ def test_replay_mirror_that_does_not_fit_is_refused(monkeypatch):
     check_mirror_fits(args, 348, 17)  # fits
 
 
+@pytest.mark.algorithm
 def test_target_entropy_and_logged_entropy_are_per_dimension_in_the_box():
     """Pendulum's actions lie in [-2, 2]: the box's half-width 2 adds log 2 to every
     log-density in env units, so a box-unit target of -0.5 is -0.5 + log 2 there, and the
@@ -460,6 +475,7 @@ def test_target_entropy_and_logged_entropy_are_per_dimension_in_the_box():
     assert {"entropy", "qf_value", "alpha", "actor_loss"} <= set(metrics)
 
 
+@pytest.mark.algorithm
 @pytest.mark.parametrize("use_cdq", [True, False])
 def test_critic_target_and_actor_objective_follow_use_cdq(use_cdq):
     """Two critics that disagree (one says 6, the other -6): with CDQ the critic trains
@@ -536,13 +552,13 @@ class _HostReadMethods(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("script", ["fast_sac", "fast_td3"])
+@pytest.mark.parametrize("script", ["fast_sac.py", "fast_td3.py"])
 def test_an_iteration_never_asks_the_device_for_a_value(script):
     """No host sync inside a learner iteration (on a GPU each would wait for every update
     queued before it, and none can be captured in a CUDA graph): the updates, the target
     update and the metrics stay tensors on the device; the loop reads them once, later. A
     deliberate .item() inside the iteration is seen (the check itself works)."""
-    mod = __import__(script)
+    mod = script_module(script)
     args = mod.resolve_args(mod.Args(env="Pendulum", device="cpu", critic_hidden=32,
                                      actor_hidden=32, num_atoms=11, batch_size=16,
                                      updates_per_iter=4, compile=False, amp=False))

@@ -5,8 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import script_module
 
-import fast_td3 as td3
+td3 = script_module("fast_td3.py")
+# (every test here checks fast_td3.py's own algorithm)
+pytestmark = [pytest.mark.script("fast_td3.py"), pytest.mark.algorithm]
 
 
 def test_noise_std_redrawn_only_for_finished_episodes():

@@ -11,11 +11,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMALL
+from conftest import ORIGINALS, ROOT, SMALL, script_file, script_module
 
-import fast_sac as fs
 from common.collectors import Collectors
 from common.replay import Mirror, ReplayBuffer
+
+fs = script_module("fast_sac.py")
+pytestmark = pytest.mark.script("fast_sac.py")
 
 
 def assert_same_batches(rb, mirror, host_rng, written, window, n_step, gamma):
@@ -25,6 +27,7 @@ def assert_same_batches(rb, mirror, host_rng, written, window, n_step, gamma):
         assert torch.equal(got[key], torch.from_numpy(value)), key
 
 
+@pytest.mark.script(*ORIGINALS)  # (common/'s alone)
 def test_mirror_copies_episode_ends_marked_after_commit(no_shm_leak):
     """end_episodes (what a collector restart calls) on rows the mirror already holds: its
     next batches still equal the host's, n-step sums stopping at the new episode end."""
@@ -87,6 +90,7 @@ def test_mirror_batches_equal_host_batches_after_a_collector_restart(tmp_path, n
         collectors.close()
 
 
+@pytest.mark.algorithm
 def test_actor_log_prob_is_float32_under_bf16_autocast():
     """Under --amp the layers run in bf16, but the noise, the squashing and the
     log-density are float32: the same numbers as computing them in float32 from the
@@ -111,6 +115,7 @@ def test_actor_log_prob_is_float32_under_bf16_autocast():
     assert (expected.bfloat16().float() - expected).abs().max() > 1e-3
 
 
+@pytest.mark.algorithm
 def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
     """One backward of the actor's loss plus the temperature's: the actor's parameters get
     the actor loss's gradient and log_alpha the temperature loss's, as with two backwards."""
@@ -138,13 +143,15 @@ def test_folded_temperature_loss_gives_each_parameter_its_own_gradient():
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_two_ranks_async_agree_on_progress_and_stop_in_one_allreduce(tmp_path, no_shm_leak):
     """Async mode under torchrun (gloo): progress and the stop flag are agreed on in one
     all-reduce at the top of the loop, the prefetch's progress in another; the ranks stay
     in step to the end and finish with identical parameters."""
     run_dir = str(tmp_path / "run")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", os.path.join(ROOT, "fast_sac_multigpu.py"),
+                          "--nproc_per_node", "2",
+                          os.path.join(ROOT, script_file("fast_sac_multigpu.py")),
                           *SMALL, "--total-timesteps", "1000", "--sync-mode", "async",
                           "--run-dir", run_dir, "--prefetch", "True", "--replay-mirror", "True"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,

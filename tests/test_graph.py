@@ -9,13 +9,9 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL, run_script
+from conftest import SMALL, run_script, script_file, script_module
 
-import fast_sac
-import fast_td3
 from common.graph import IterationGraph
-
-SCRIPTS = {"fast_sac.py": fast_sac, "fast_td3.py": fast_td3}
 
 
 def make(mod, seed: int):
@@ -36,7 +32,7 @@ def batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("script", ["fast_sac.py", "fast_td3.py"])
 def test_graph_replay_equals_the_plain_updates_bit_for_bit(script):
     """The same learner trained on the same batches, plainly and through the graph
     (train_step with a StandIn): equal parameters, optimizer moments and metrics after every
@@ -45,7 +41,7 @@ def test_graph_replay_equals_the_plain_updates_bit_for_bit(script):
     with the actor every 2nd (two graphs, one per turn), and after 3 iterations both load
     another learner's state, as a resume does (its optimizers' moments are new tensors: a
     capture kept from before would go on updating the old ones)."""
-    mod = SCRIPTS[script]
+    mod = script_module(script)
     args, plain = make(mod, 0)
     _, graphed = make(mod, 0)
     _, other = make(mod, 7)
@@ -81,6 +77,7 @@ def tensors(learner) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac.py")
 def test_a_run_with_cudagraphs_on_a_cpu_ends_as_the_eager_run(tmp_path, no_shm_leak):
     """fast_sac.py --cudagraphs with --compile False on a CPU (the stand-in) in lockstep ends
     with the same parameters as the same run without it."""
@@ -98,6 +95,7 @@ def test_a_run_with_cudagraphs_on_a_cpu_ends_as_the_eager_run(tmp_path, no_shm_l
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_two_ranks_with_cudagraphs_on_a_cpu_end_equal(tmp_path, no_shm_leak):
     """fast_sac_multigpu.py --cudagraphs under torchrun with two gloo ranks on the CPU: the
     stand-in replays the gradient all-reduce with the rest, the ranks end with identical
@@ -113,8 +111,9 @@ def test_two_ranks_with_cudagraphs_on_a_cpu_end_equal(tmp_path, no_shm_leak):
     for flags in ([], ["--cudagraphs"]):
         run_dir = str(tmp_path / f"run{len(flags)}")
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node", "2", os.path.join(ROOT, "fast_sac_multigpu.py"),
-                              *SMALL, "--total-timesteps", "800", "--sync-mode", "lockstep",
+                              "--nproc_per_node", "2",
+                              os.path.join(ROOT, script_file("fast_sac_multigpu.py")), *SMALL,
+                              "--total-timesteps", "800", "--sync-mode", "lockstep",
                               "--run-dir", run_dir, *flags], cwd=ROOT, capture_output=True,
                              text=True, timeout=300,
                              env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))

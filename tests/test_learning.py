@@ -30,6 +30,7 @@ def test_pendulum_learns(script, tmp_path, no_shm_leak):
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac.py")
 def test_inverted_pendulum_learns_in_pipelined_mode(tmp_path, no_shm_leak):
     """A MuJoCo task, pipelined (the collector one weights version behind): the pole stays up.
     Holding still keeps it up for about 24 steps and random actions for 6; balanced, an
@@ -51,6 +52,7 @@ def test_inverted_pendulum_learns_in_pipelined_mode(tmp_path, no_shm_leak):
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_pendulum_learns_under_torchrun_with_two_ranks(tmp_path, no_shm_leak):
     """The distributed update (gradients averaged over two gloo ranks, each sampling its own
     mini-batches) learns the swing-up as one process does (narrow networks, to keep it short;
@@ -59,12 +61,12 @@ def test_pendulum_learns_under_torchrun_with_two_ranks(tmp_path, no_shm_leak):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, script_file
 
     run_dir = str(tmp_path / "run")
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.join(ROOT, "fast_sac_multigpu.py"), "--env", "Pendulum-v1",
+         os.path.join(ROOT, script_file("fast_sac_multigpu.py")), "--env", "Pendulum-v1",
          "--total-timesteps", "8000", "--learning-starts", "1000", "--num-envs", "4",
          "--sync-mode", "lockstep", "--updates-per-iter", "16", "--actor-hidden", "64",
          "--critic-hidden", "64", "--batch-size", "128", "--eval-episodes", "10",

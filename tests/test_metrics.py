@@ -49,6 +49,7 @@ def check_learner_metrics(tags, summary, support=(-1700, 0), batch_size=32, min_
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac.py")
 def test_hopper_episodes_end_by_termination_and_report_reward_terms(tmp_path, no_shm_leak):
     tags, summary = run(tmp_path, "fast_sac.py", "--env", "Hopper-v5", "--sync-mode",
                         "lockstep")
@@ -69,6 +70,7 @@ def test_hopper_episodes_end_by_termination_and_report_reward_terms(tmp_path, no
     check_learner_metrics(tags, summary, support=(-100, 600))
 
 
+@pytest.mark.script("fast_sac.py")
 def test_pendulum_episodes_end_by_truncation(tmp_path, no_shm_leak):
     tags, summary = run(tmp_path, "fast_sac.py", "--sync-mode", "pipelined")
     assert summary["episodes_truncated"] == 4 and summary["episodes_terminated"] == 0
@@ -81,6 +83,7 @@ def test_pendulum_episodes_end_by_truncation(tmp_path, no_shm_leak):
     check_learner_metrics(tags, summary)
 
 
+@pytest.mark.script("fast_td3.py")
 def test_td3_async_metrics(tmp_path, no_shm_leak):
     tags, summary = run(tmp_path, "fast_td3.py", "--sync-mode", "async")
     lag = values(tags, "charts/policy_lag")

@@ -12,10 +12,20 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, assert_all_gone, assert_no_leak, run_script, shm_files
+from conftest import (
+    ROOT,
+    SMALL,
+    assert_all_gone,
+    assert_no_leak,
+    run_script,
+    script_file,
+    shm_files,
+)
+
+pytestmark = pytest.mark.script("fast_sac_multigpu.py")
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-SCRIPT = os.path.join(ROOT, "fast_sac_multigpu.py")
+SCRIPT = os.path.join(ROOT, script_file("fast_sac_multigpu.py"))
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
@@ -42,7 +52,8 @@ def test_two_ranks_train_with_identical_parameters(mode, tmp_path, no_shm_leak):
 
 def test_allreduced_gradient_equals_single_process_gradient():
     res = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node", "2",
-                          os.path.join(ROOT, "tests", "dist_grad_check.py")],
+                          os.path.join(ROOT, "tests", "dist_grad_check.py"),
+                          script_file("fast_sac_multigpu.py").removesuffix(".py")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.count("gradients match") == 2
@@ -140,7 +151,7 @@ def worker_pids(agent_pid):
                 cmd = f.read()
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
-        if b"fast_sac_multigpu.py" in cmd and b"LOCAL_RANK" in env:
+        if os.path.basename(SCRIPT).encode() in cmd and b"LOCAL_RANK" in env:
             out[int(env[b"LOCAL_RANK"])] = pid
     return out
 

@@ -18,6 +18,8 @@ from conftest import (
     assert_no_leak,
     checkpoints,
     run_script,
+    script_file,
+    script_module,
     shm_files,
     wait_for_updates,
     wait_gone,
@@ -26,9 +28,8 @@ from test_multigpu import ENV, SCRIPT, TORCHRUN, descendants, summary, worker_pi
 from test_resume_and_faults import assert_same_params, final_params
 from test_runs import children, read_summary
 
-import fast_sac
-
-pytestmark = pytest.mark.slow  # (every test here runs and signals real jobs)
+# (every test here runs and signals real jobs; fast_sac.py's, but for the torchrun ones)
+pytestmark = [pytest.mark.slow, pytest.mark.script("fast_sac.py")]
 
 EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-collectors", "2",
          "--save-replay"]
@@ -37,8 +38,8 @@ EXACT = [*SMALL, "--env", "InvertedPendulum-v5", "--num-envs", "4", "--num-colle
 def start(script, *flags):
     """A run in the background (its own session, so that its process group is the run's),
     returned once it makes gradient updates."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script_file(script)), *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     wait_for_updates(proc)
     return proc
@@ -75,6 +76,7 @@ def test_sigterm_checkpoint_resumes_exactly(mode, target, tmp_path, no_shm_leak)
     assert_same_params(final_params(full), final_params(run))
 
 
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_sigterm_to_every_process_of_a_torchrun_job(tmp_path):
     """A cluster's preemption notice reaches the torchrun agent, every rank and every
     collector at once, and the agent forwards it to the ranks again. The ranks stop at the
@@ -145,7 +147,7 @@ def test_default_checkpoints_let_resume_auto_continue_after_sigkill(tmp_path, no
     --resume auto continues from it. Its collectors see the learner gone and remove the
     shared memory themselves."""
     run = str(tmp_path / "run")
-    interval = fast_sac.Args().save_interval
+    interval = script_module("fast_sac.py").Args().save_interval
     # (many env steps per iteration and tiny updates: 100k env steps in seconds)
     cmd = [*SMALL, "--num-envs", "8", "--steps-per-iter", "50", "--buffer-size", "40000",
            "--total-timesteps", str(2 * interval), "--run-dir", run, "--resume", "auto"]
@@ -207,6 +209,7 @@ def test_keep_checkpoints_and_resume_auto(tmp_path, no_shm_leak):
     assert res.returncode == 2 and "--resume auto needs --run-dir" in res.stderr
 
 
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_elastic_torchrun_restarts_after_a_killed_rank(tmp_path):
     """torchrun --max-restarts with --resume auto: a rank killed after the first checkpoint
     costs a restart, and the job still completes with both ranks' parameters identical."""

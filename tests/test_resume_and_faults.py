@@ -8,8 +8,18 @@ import time
 
 import pytest
 import torch
-from conftest import SMALL, drain, run_script, updates_shown, wait_for_updates
+from conftest import (
+    SMALL,
+    drain,
+    run_script,
+    script_file,
+    script_module,
+    updates_shown,
+    wait_for_updates,
+)
 from test_runs import children, read_summary, start_run
+
+pytestmark = pytest.mark.script("fast_sac.py")  # (but for those parametrized by `script`)
 
 
 def final_params(run_dir):
@@ -196,7 +206,7 @@ def test_progress_bar_on_a_terminal(tmp_path, no_shm_leak):
     import termios
 
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL,
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script_file("fast_sac.py")), *SMALL,
                              "--total-timesteps", "800", "--run-dir", str(tmp_path / "r")],
                             cwd=ROOT, stdin=follower, stdout=follower, stderr=follower)
     os.close(follower)
@@ -271,7 +281,8 @@ def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_pa
     assert saved["quiet"] is False and saved["save_interval"] == 100_000
     assert saved["log_interval"] == 10.0 and saved["critic_lr"] == 0.001
     assert [g["lr"] for g in final["critic_opt"]["param_groups"]] == [0.001]
-    assert [g["lr"] for g in final["actor_opt"]["param_groups"]] == [3e-4]
+    actor_lr = script_module("fast_sac.py").Args().actor_lr  # (the default: 3e-4)
+    assert [g["lr"] for g in final["actor_opt"]["param_groups"]] == [actor_lr]
 
 
 def test_resume_auto_continues_a_single_process_run(tmp_path, no_shm_leak):

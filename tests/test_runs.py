@@ -16,10 +16,14 @@ from conftest import (
     assert_all_gone,
     checkpoints,
     run_script,
+    script_file,
+    script_module,
     shm_files,
     wait_for_updates,
     wait_gone,
 )
+
+pytestmark = pytest.mark.script("fast_sac.py")  # (but for those parametrized by `script`)
 
 
 def read_summary(run_dir):
@@ -38,7 +42,7 @@ def check_run_dir(run_dir, mode, script):
     for key in ("actor", "critics", "critics_target", "actor_opt", "critic_opt", "args",
                 "global_step", "num_updates"):
         assert key in ckpt
-    assert ckpt["script"] == script.removesuffix(".py")
+    assert ckpt["script"] == script_file(script).removesuffix(".py")
     if script == "fast_sac.py":
         assert "log_alpha" in ckpt and "alpha_opt" in ckpt
     assert "normalizer.mean" in ckpt["actor"] and ckpt["actor"]["normalizer.count"] > 0
@@ -144,7 +148,7 @@ def start_run(tmp_path, script, *extra):
     updates."""
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, script), *SMALL, "--total-timesteps",
+        [sys.executable, os.path.join(ROOT, script_file(script)), *SMALL, "--total-timesteps",
          "10000000", "--run-dir", run_dir, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
@@ -212,9 +216,9 @@ def test_signal_to_the_group_while_collectors_import(tmp_path, no_shm_leak):
     on a slow start) stops it as an interrupt with a checkpoint, not as a failed collector."""
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--num-collectors", "2",
-         "--total-timesteps", "4000", "--run-dir", run_dir], cwd=ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        [sys.executable, os.path.join(ROOT, script_file("fast_sac.py")), *SMALL,
+         "--num-collectors", "2", "--total-timesteps", "4000", "--run-dir", run_dir], cwd=ROOT,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     t0 = time.time()
     while len(kids := children(proc.pid)) < 2 and time.time() - t0 < 120:
         time.sleep(0.01)
@@ -232,9 +236,10 @@ def test_signal_after_the_output_pipe_closed(tmp_path, no_shm_leak):
     then gets SIGINT: printing 'interrupted' fails, and the run still stops its collectors
     and exits, instead of waiting for them at interpreter exit forever."""
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL, "--log-interval", "5",
-         "--total-timesteps", "1000000", "--run-dir", str(tmp_path / "run")], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, os.path.join(ROOT, script_file("fast_sac.py")), *SMALL,
+         "--log-interval", "5", "--total-timesteps", "1000000", "--run-dir",
+         str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         wait_for_updates(proc)  # (then 5 s until the next line: the signal comes first)
@@ -297,15 +302,14 @@ def test_default_fast_path_that_fails_to_compile_goes_on_eager(tmp_path, no_shm_
     compile that fails while the user did not ask for it costs one line of warning, and the
     same run goes on eager. The failure is real: inductor gets no working C++ compiler and
     an empty cache."""
-    import fast_sac as fs
-
+    fs = script_module("fast_sac.py")
     if not fs.resolve_args(fs.Args(env="Pendulum", device="cpu")).compile:
         pytest.skip("this CPU does not multiply bf16 natively: the fast path is off by default")
     flags = [a for a in SMALL if a not in ("--compile", "--amp", "False")]
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "fast_sac.py"), *flags, "--total-timesteps",
-         "10000000", "--run-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, os.path.join(ROOT, script_file("fast_sac.py")), *flags,
+         "--total-timesteps", "10000000", "--run-dir", str(tmp_path / "run")], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1", CXX="/bin/false",
                  TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ic")))
     wait_for_updates(proc)

@@ -1,11 +1,12 @@
 """The scripts repeat their plumbing on purpose (each is a complete program to copy), so the
-repeated parts must stay identical: a fix made in one script only fails here."""
+repeated parts must stay identical: a fix made in one script only fails here. A --script
+copy is compared in its original's place (marked `algorithm`: a copy's changes may differ)."""
 
 import ast
 import os
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, script_file
 
 # top-level definitions that are the variant itself; everything else both scripts define
 # must be the same text
@@ -31,12 +32,14 @@ def definitions(script: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("script", sorted(VARIANT))
-def test_shared_definitions_are_identical_text(script):
-    base, other = definitions("fast_sac.py"), definitions(script)
-    shared = sorted(set(base) & set(other) - VARIANT[script])
+@pytest.mark.algorithm
+@pytest.mark.parametrize("variant", sorted(VARIANT))
+def test_shared_definitions_are_identical_text(variant):
+    files = script_file("fast_sac.py"), script_file(variant)
+    base, other = map(definitions, files)
+    shared = sorted(set(base) & set(other) - VARIANT[variant])
     assert len(shared) > 25  # the plumbing really is shared, not renamed away
     drifted = [name for name in shared if base[name] != other[name]]
-    assert not drifted, f"{script} and fast_sac.py differ in {drifted}; change both alike"
+    assert not drifted, f"{files[1]} and {files[0]} differ in {drifted}; change both alike"
     # the list of variant parts stays honest: each one really differs
-    assert all(base[name] != other[name] for name in VARIANT[script] if name in base)
+    assert all(base[name] != other[name] for name in VARIANT[variant] if name in base)

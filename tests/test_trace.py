@@ -6,9 +6,11 @@ import os
 from collections import defaultdict
 
 import pytest
-from conftest import SMALL, run_script
+from conftest import ORIGINALS, SMALL, run_script, script_file
 
 from common.trace import NO_TIMELINE, Timeline
+
+pytestmark = pytest.mark.script("fast_sac.py")
 
 LEARNER_SLICES = {"learner/wait_for_data", "learner/normalizer_update", "learner/replay_sample",
                   "learner/normalize_batch", "learner/update_critic", "learner/update_actor",
@@ -146,6 +148,7 @@ def test_no_trace_without_the_flag(tmp_path, no_shm_leak):
     assert os.path.getsize(out) > 1000
 
 
+@pytest.mark.script(*ORIGINALS)  # (benchmarks/ alone)
 def test_moving_average_and_report_arithmetic():
     import sys
 
@@ -165,6 +168,7 @@ def test_moving_average_and_report_arithmetic():
     assert overlap([(0, 4), (6, 10)], [(3, 7), (9, 20)]) == 1 + 1 + 1
 
 
+@pytest.mark.script(*ORIGINALS)  # (common/'s alone)
 def test_timeline_keeps_first_and_newest():
     tl = Timeline(10, "t", 1)
     for i in range(100):
@@ -184,6 +188,7 @@ def test_timeline_keeps_first_and_newest():
 
 
 @pytest.mark.slow
+@pytest.mark.script("fast_sac_multigpu.py")
 def test_two_ranks_each_write_a_trace_on_the_same_clock(tmp_path, no_shm_leak):
     import subprocess
     import sys
@@ -192,8 +197,9 @@ def test_two_ranks_each_write_a_trace_on_the_same_clock(tmp_path, no_shm_leak):
 
     run_dir = str(tmp_path / "run")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", os.path.join(ROOT, "fast_sac_multigpu.py"),
-                          *SMALL, "--total-timesteps", "1000", "--trace", "--run-dir", run_dir],
+                          "--nproc_per_node", "2",
+                          os.path.join(ROOT, script_file("fast_sac_multigpu.py")), *SMALL,
+                          "--total-timesteps", "1000", "--trace", "--run-dir", run_dir],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-4000:]
@@ -228,10 +234,10 @@ def test_killed_run_keeps_the_trace_of_its_last_checkpoint(tmp_path, no_shm_leak
 
     before = shm_files()
     run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fast_sac.py"), *SMALL,
-                             "--total-timesteps", "100000", "--save-interval", "600", "--trace",
-                             "--run-dir", run_dir], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script_file("fast_sac.py")),
+                             *SMALL, "--total-timesteps", "100000", "--save-interval", "600",
+                             "--trace", "--run-dir", run_dir], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while not os.path.exists(os.path.join(run_dir, "trace.json")):
