@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim import Optimizer
 
 from common import checkpoints
 from common.collectors import (
@@ -749,9 +748,9 @@ class Run:
         self.value_range = ReturnRange(args.num_envs, args.gamma) if args.v_min is None else None
         self.collectors: Collectors | None = None
         # --cudagraphs: the learner's iteration captured and replayed (see train_step)
-        graphs = args.cudagraphs
         self.graph = IterationGraph(lambda batch: graphed_iteration(self.learner, batch),
-                                    self.learner, self.learner.STATE, device) if graphs else None
+                                    self.learner, self.learner.STATE,
+                                    device) if args.cudagraphs else None
         self.sample: Sampler | Mirror | None = None
         # what a checkpoint carries besides the networks to continue the loop exactly; floor:
         # env-local steps below it hold no data (after a resume without the replay file)
@@ -1181,8 +1180,8 @@ def load_learner(learner: Learner, state: dict) -> None:
 
 def all_finite(learner: Learner) -> bool:
     """Whether every tensor an optimizer updates is finite (checked before a save)."""
-    optimizers = [o for k in learner.STATE if isinstance(o := getattr(learner, k), Optimizer)]
-    tensors = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    tensors = [p for opt in checkpoints.optimizers(learner, learner.STATE)
+               for group in opt.param_groups for p in group["params"]]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 

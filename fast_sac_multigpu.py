@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.optim import Optimizer
 
 from common import checkpoints
 from common import dist as D
@@ -49,7 +48,7 @@ from common.collectors import (
     default_num_collectors,
 )
 from common.control import COLLECT_S, WEIGHT_LOAD_S, WEIGHT_WAIT_S
-from common.graph import IterationGraph
+from common.graph import IterationGraph, held_tensors
 from common.replay import Mirror, Sampler, batch_shapes
 from common.trace import NO_TIMELINE, Trace
 
@@ -1072,11 +1071,9 @@ def write_trace(run: Run) -> None:
 
 
 def learner_tensors(learner: Learner) -> list[torch.Tensor]:
-    """The tensors of Learner.STATE but the optimizers' (modules: parameters and buffers), in
-    a fixed order."""
-    held = [getattr(learner, k) for k in learner.STATE]
-    return [t for v in held if not isinstance(v, Optimizer)
-            for t in ([v] if torch.is_tensor(v) else v.state_dict().values())]
+    """The tensors of Learner.STATE but the optimizers' moments (modules: parameters and
+    buffers), in a fixed order."""
+    return held_tensors(learner, learner.STATE, moments=False)
 
 
 def allreduce_grads(learner: Learner, params) -> None:
@@ -1309,8 +1306,8 @@ def load_learner(learner: Learner, state: dict) -> None:
 
 def all_finite(learner: Learner) -> bool:
     """Whether every tensor an optimizer updates is finite (checked before a save)."""
-    optimizers = [o for k in learner.STATE if isinstance(o := getattr(learner, k), Optimizer)]
-    tensors = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    tensors = [p for opt in checkpoints.optimizers(learner, learner.STATE)
+               for group in opt.param_groups for p in group["params"]]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 

@@ -125,9 +125,8 @@ def initial(mod, args, state, b: Check) -> list[torch.Tensor]:
 def weights(learner) -> list[torch.Tensor]:
     """The networks' parameters and buffers and the learner's own tensors (not the
     optimizers' moments), as float32 copies."""
-    names = tuple(k for k in learner.STATE
-                  if not isinstance(getattr(learner, k), torch.optim.Optimizer))
-    return [t.detach().float().clone() for t in held_tensors(learner, names)]
+    return [t.detach().float().clone()
+            for t in held_tensors(learner, learner.STATE, moments=False)]
 
 
 if __name__ == "__main__":

@@ -92,31 +92,33 @@ def load_into(obj, names: tuple[str, ...], state: dict) -> None:
             v.load_state_dict(state[k])
 
 
+def optimizers(obj, names: tuple[str, ...]) -> list[torch.optim.Optimizer]:
+    """The optimizers among `obj`'s attributes `names`."""
+    return [o for k in names if isinstance(o := getattr(obj, k), torch.optim.Optimizer)]
+
+
 def check_fits(mine: dict, ckpt: dict) -> None:
     """Refuse, in one line, a checkpoint whose tensors do not fit the networks built now
     (`mine`: what state_of gives for them): the first tensor whose shape differs, or that
     one side lacks, whatever argument caused it. Raises ArgsError."""
-    def shape(t):
-        return "missing" if t is None else list(getattr(t, "shape", []))
+    def shapes(state) -> dict[str, list[int]]:
+        if torch.is_tensor(state):
+            return {"": list(state.shape)}
+        if not isinstance(state, dict):  # (a count)
+            return {}
+        if "param_groups" in state:  # an optimizer: its groups' sizes (the moments follow)
+            return {f"group {i}": [len(g["params"])] for i, g in enumerate(state["param_groups"])}
+        return {k: list(v.shape) for k, v in state.items() if torch.is_tensor(v)}
 
-    for section, here in mine.items():
-        there = ckpt.get(section)
-        if torch.is_tensor(here):
-            here, there = {"": here}, {"": there}
-        elif not isinstance(here, dict):  # (a count)
-            continue
-        elif "param_groups" in here:  # an optimizer: its groups' sizes (the moments follow)
-            here, there = ({f"group {i}": torch.empty(len(g["params"]))
-                            for i, g in enumerate(d["param_groups"])}
-                           for d in (here, there or {"param_groups": []}))
-        there = there if isinstance(there, dict) else {}
+    for section, state in mine.items():
+        here, there = shapes(state), shapes(ckpt.get(section))
         for name in [*here, *(k for k in there if k not in here)]:
-            a, b = there.get(name), here.get(name)
-            if a is None or b is None or shape(a) != shape(b):
+            if here.get(name) != there.get(name):
                 where = f"{section}.{name}".rstrip(".")
                 raise ArgsError(f"{ckpt['path']} does not fit the networks built now: {where} is "
-                                f"{shape(a)} there and {shape(b)} here; resume with the "
-                                "arguments it was trained with")
+                                f"{there.get(name, 'missing')} there and "
+                                f"{here.get(name, 'missing')} here; resume with the arguments "
+                                "it was trained with")
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:

@@ -27,15 +27,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from common.checkpoints import optimizers
 
-def held_tensors(obj, names: tuple[str, ...]) -> list[torch.Tensor]:
-    """The tensors of `obj`'s attributes `names`: a module's parameters and buffers, an
-    optimizer's state (its moments), a tensor itself."""
+
+def held_tensors(obj, names: tuple[str, ...], moments: bool = True) -> list[torch.Tensor]:
+    """The tensors of `obj`'s attributes `names`, in their order: a module's parameters and
+    buffers, an optimizer's state (its moments; not with moments=False), a tensor itself."""
     out = []
     for name in names:
         v = getattr(obj, name)
         if isinstance(v, torch.optim.Optimizer):
-            out += [t for s in v.state.values() for t in s.values() if torch.is_tensor(t)]
+            out += [t for s in v.state.values() for t in s.values()
+                    if moments and torch.is_tensor(t)]
         elif isinstance(v, torch.nn.Module):
             out += [*v.parameters(), *v.buffers()]
         elif torch.is_tensor(v):
@@ -79,8 +82,7 @@ class IterationGraph:
     def __init__(self, fn, obj, names: tuple[str, ...], device: torch.device, warmup: int = 3):
         self.fn, self.device, self.warmup = fn, device, warmup
         self.held = lambda: held_tensors(obj, names)
-        self.optimizers = [o for k in names
-                           if isinstance(o := getattr(obj, k), torch.optim.Optimizer)]
+        self.optimizers = optimizers(obj, names)
         self.graphs, self.holds = {}, None
 
     def __call__(self, key, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
