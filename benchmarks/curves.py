@@ -34,6 +34,10 @@ MARK = "curves_run.json"  # in each run dir: how it was run; written when its bu
 TAG = "eval/episodic_return"
 THRESHOLDS = {"HalfCheetah": [3000, 5000, 7000], "Hopper": [1000, 2500], "Walker2d": [1000, 3000],
               "Ant": [1000, 3000], "Humanoid": [1000, 3000, 5000], "Pendulum": [-1000, -300]}
+# SAC's published eval return at 1M env steps, the mark each table row is read against: the
+# mean over seeds of the per-seed logs published with SimbaV2 (v4, 10 seeds, the eval nearest
+# 1M); Ant: the v5 maintainer's validation runs of SB3's SAC (v5, 10 runs)
+SAC_1M = {"HalfCheetah": 11321, "Hopper": 2787, "Walker2d": 4536, "Ant": 4332, "Humanoid": 4826}
 
 
 @dataclass
@@ -132,14 +136,20 @@ def load(run_dir: str) -> dict | None:
 
 
 def stats(runs: list[dict], thr: list[float]) -> dict:
-    """Per-seed figures of one (env, script): steps reached, final and best eval return, and
-    minutes to the first eval at or above each threshold (None: none, or not reached)."""
+    """Per-seed figures of one (env, script): steps reached, final and best eval return, the
+    mean of the last three evals (what a user meets, late collapses included) and its share
+    of the best, and minutes to the first eval at or above each threshold (None: none, or
+    not reached)."""
     def first(r, x):
         return float(r["minutes"][np.argmax(r["returns"] >= x)]) if (r["returns"] >= x).any() \
             else None
     return {"seeds": [r["seed"] for r in runs], "env_steps": [int(r["reached"]) for r in runs],
             "final_eval": [float(r["returns"][-1]) if len(r["returns"]) else None for r in runs],
             "best_eval": [float(r["returns"].max()) if len(r["returns"]) else None for r in runs],
+            "last_three": [float(r["returns"][-3:].mean()) if len(r["returns"]) else None
+                           for r in runs],
+            "of_best": [float(r["returns"][-3:].mean() / r["returns"].max())
+                        if len(r["returns"]) and r["returns"].max() > 0 else None for r in runs],
             "minutes_to": {f"{x:g}": [first(r, x) for r in runs] for x in thr}}
 
 
@@ -161,21 +171,25 @@ def describe(minutes: float | None, steps: int | None) -> str:
 
 
 def table(c: Curves, curves: dict, thresholds: dict) -> tuple[str, list[dict]]:
-    lines, rows = [f"Eval return ({TAG}): median over seeds (per-seed values); final = last "
-                   "eval; minutes from process start.", "", made_with(), ""], []
+    lines, rows = [f"Eval return ({TAG}): median over seeds (per-seed values); last three = "
+                   "the mean of the last three evals; minutes from process start.", "",
+                   made_with(), ""], []
     for env in c.envs:
-        thr = thresholds.get(family(env), [])
+        thr, sac = thresholds.get(family(env), []), SAC_1M.get(family(env))
         budgets = sorted({r["budget"] for (e, *_), r in curves.items() if e == env})
-        lines += [f"### {env}", "", f"Budget per run: {'; '.join(budgets) or '-'}.", "",
-                  "| script | seeds | env steps | final eval | best eval |"
-                  + "".join(f" min to {x:g} |" for x in thr), "|---" * (5 + len(thr)) + "|"]
+        lines += [f"### {env}", "", f"Budget per run: {'; '.join(budgets) or '-'}."
+                  + (f" SAC's published eval return at 1M env steps: {sac:,}." if sac else ""),
+                  "", "| script | seeds | env steps | last three evals | best eval | last three "
+                  "/ best |" + "".join(f" min to {x:g} |" for x in thr), "|---" * (6 + len(thr))
+                  + "|"]
         for script in c.scripts:
             if runs := [r for s in c.seeds if (r := curves.get((env, script, s)))]:
                 row = {"env": env, "script": script} | stats(runs, thr)
                 rows.append(row)
                 lines.append(f"| {script} | {len(runs)} | {cell(row['env_steps'], 'steps')} | "
-                             f"{cell(row['final_eval'], '{:.0f}')} | "
-                             f"{cell(row['best_eval'], '{:.0f}')} |"
+                             f"{cell(row['last_three'], '{:.0f}')} | "
+                             f"{cell(row['best_eval'], '{:.0f}')} | "
+                             f"{cell(row['of_best'], '{:.2f}')} |"
                              + "".join(f" {cell(v, '{:.1f}')} |"
                                        for v in row["minutes_to"].values()))
         cmds = [r["cmd"] for (e, *_), r in sorted(curves.items()) if e == env]
@@ -253,7 +267,9 @@ def family(env: str) -> str:
 def main(c: Curves) -> None:
     if not (c.minutes or c.steps or c.table_only):
         raise SystemExit("give a budget: --minutes, --steps or both (or --table-only)")
-    thresholds = dict(THRESHOLDS)
+    # minutes to SAC's 1M-step figure, after the family's own marks
+    thresholds = {f: sorted(set(v) | {SAC_1M[f]} if f in SAC_1M else set(v))
+                  for f, v in THRESHOLDS.items()}
     for spec in c.thresholds:
         env, _, values = spec.partition("=")
         thresholds[family(env)] = [float(v) for v in values.split(",") if v]
