@@ -90,7 +90,7 @@ class Args:
     """discount factor"""
     tau: float = 0.01
     """soft target update rate: target <- target + tau * (online - target)"""
-    n_step: Annotated[int | None, default("N_STEP: 3 on Hopper and Walker2d, else 1")] = None
+    n_step: Annotated[int | None, default("N_STEP: 3 on Hopper, Walker2d and Ant, else 1")] = None
     """n-step returns, stopped at episode ends"""
     actor_lr: float = 3e-4
     """actor learning rate (AdamW)"""
@@ -221,8 +221,8 @@ TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
 
 # --n-step's default per env family. Measured (docs/recipe.md): 1 learns sooner on
-# HalfCheetah and Humanoid, 3 on Hopper and Walker2d.
-N_STEP = {"Hopper": 3, "Walker2d": 3}
+# HalfCheetah and Humanoid, 3 on Hopper, Walker2d and Ant.
+N_STEP = {"Hopper": 3, "Walker2d": 3, "Ant": 3}
 DEFAULT_N_STEP = 1
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,

@@ -138,7 +138,8 @@ def test_recipe_defaults_fill_only_unset_fields():
 
 @pytest.mark.algorithm
 @pytest.mark.parametrize("env, n_step, target_entropy", [
-    ("Hopper", 3, -0.5), ("Walker2d", 3, -0.5), ("HalfCheetah", 1, -0.5), ("Humanoid", 1, 0.42)])
+    ("Hopper", 3, -0.5), ("Walker2d", 3, -0.5), ("Ant", 3, -0.5), ("HalfCheetah", 1, -0.5),
+    ("Humanoid", 1, 0.42)])
 def test_family_defaults_fill_n_step_and_target_entropy_unless_given(env, n_step,
                                                                      target_entropy):
     args = fs.resolve_args(fs.Args(env=env, device="cpu"))
