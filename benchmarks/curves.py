@@ -56,7 +56,7 @@ class Curves:
     thresholds: list[str] = field(default_factory=list)
     """returns to time, ENV=R1,R2 (e.g. Hopper=1000,2500), replacing the defaults of that env
     family (HalfCheetah=3000,5000,7000 Hopper=1000,2500 Walker2d=1000,3000 Ant=1000,3000
-    Humanoid=1000,3000,5000 Pendulum=-1000,-300)"""
+    Humanoid=1000,3000,5000 Pendulum=-1000,-300, each with SAC's 1M-step score, SAC_1M)"""
     out_dir: str = "curves"
     rerun: bool = False
     """run again even where a run dir has results"""
@@ -143,13 +143,12 @@ def stats(runs: list[dict], thr: list[float]) -> dict:
     def first(r, x):
         return float(r["minutes"][np.argmax(r["returns"] >= x)]) if (r["returns"] >= x).any() \
             else None
+    best = [float(r["returns"].max()) if len(r["returns"]) else None for r in runs]
+    last = [float(r["returns"][-3:].mean()) if len(r["returns"]) else None for r in runs]
     return {"seeds": [r["seed"] for r in runs], "env_steps": [int(r["reached"]) for r in runs],
             "final_eval": [float(r["returns"][-1]) if len(r["returns"]) else None for r in runs],
-            "best_eval": [float(r["returns"].max()) if len(r["returns"]) else None for r in runs],
-            "last_three": [float(r["returns"][-3:].mean()) if len(r["returns"]) else None
-                           for r in runs],
-            "of_best": [float(r["returns"][-3:].mean() / r["returns"].max())
-                        if len(r["returns"]) and r["returns"].max() > 0 else None for r in runs],
+            "best_eval": best, "last_three": last,
+            "of_best": [a / b if b is not None and b > 0 else None for a, b in zip(last, best)],
             "minutes_to": {f"{x:g}": [first(r, x) for r in runs] for x in thr}}
 
 

@@ -37,8 +37,8 @@ def held_tensors(obj, names: tuple[str, ...], moments: bool = True) -> list[torc
     for name in names:
         v = getattr(obj, name)
         if isinstance(v, torch.optim.Optimizer):
-            out += [t for s in v.state.values() for t in s.values()
-                    if moments and torch.is_tensor(t)]
+            if moments:
+                out += [t for s in v.state.values() for t in s.values() if torch.is_tensor(t)]
         elif isinstance(v, torch.nn.Module):
             out += [*v.parameters(), *v.buffers()]
         elif torch.is_tensor(v):
