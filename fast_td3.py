@@ -125,7 +125,8 @@ class Args:
     """environment steps of uniform random actions before the first update"""
     steps_per_iter: Annotated[int | None, recipe("steps_per_iter")] = None
     """environment steps per env between learner iterations"""
-    updates_per_iter: Annotated[int | None, recipe("updates_per_iter")] = None
+    updates_per_iter: Annotated[int | None, default("CPU 8, GPU 32; on a CPU, CPU_FAMILY: 16 "
+                                                    "on Hopper")] = None
     """gradient updates per learner iteration"""
     actor_hidden: Annotated[int | None, recipe("actor_hidden")] = None
     """width of the actor's first layer; later layers halve it"""
@@ -211,6 +212,9 @@ CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_st
                   steps_per_iter=8, updates_per_iter=8, actor_hidden=256, critic_hidden=256)
 GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=32, actor_hidden=512, critic_hidden=1024)
+# What differs from CPU_RECIPE per env family: Hopper holds its return with more updates per
+# env step (docs/recipe.md, "fast_td3 on Hopper and Humanoid").
+CPU_FAMILY = {"Hopper": dict(updates_per_iter=16)}
 
 
 # =======================================================================================
@@ -1235,9 +1239,9 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
                         "use --device cpu (or auto)")
     device = "cuda" if args.device == "cuda" or (
         args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    recipe = GPU_RECIPE if device == "cuda" else CPU_RECIPE
-    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
     family = env_id.split("-v")[0]
+    recipe = GPU_RECIPE if device == "cuda" else dict(CPU_RECIPE, **CPU_FAMILY.get(family, {}))
+    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
     if (args.v_min is None) != (args.v_max is None) and family not in VALUE_RANGES:
         raise ArgsError(f"{env_id} has no value range in VALUE_RANGES: give both --v-min and "
                         "--v-max, or neither (the critics' support then follows the returns "

@@ -72,3 +72,14 @@ def test_smoothing_noise_is_clipped_and_actions_stay_in_bounds():
     assert (deviation.abs() > 0.099).float().mean() > 0.9
     wild = actor.noisy(x, noise)  # unclipped exploration noise still respects the bounds
     assert (wild >= torch.tensor(low)).all() and (wild <= torch.tensor(high)).all()
+
+
+@pytest.mark.parametrize("env, updates", [("Hopper", 16), ("HalfCheetah", 8), ("Humanoid", 8),
+                                          ("Reacher", 8)])
+def test_cpu_recipe_per_env_family_unless_given(env, updates):
+    """CPU_FAMILY changes the CPU recipe per env family; a given flag and the GPU recipe
+    win over it."""
+    assert td3.resolve_args(td3.Args(env=env, device="cpu")).updates_per_iter == updates
+    given = td3.resolve_args(td3.Args(env=env, device="cpu", updates_per_iter=4))
+    assert given.updates_per_iter == 4
+    assert td3.GPU_RECIPE["updates_per_iter"] == 32 != td3.CPU_FAMILY["Hopper"]["updates_per_iter"]
