@@ -87,9 +87,9 @@ class Args:
     """soft target update rate: target <- target + tau * (online - target)"""
     n_step: Annotated[int | None, default("N_STEP: 3 on Hopper, Walker2d and Ant, else 1")] = None
     """n-step returns, stopped at episode ends"""
-    actor_lr: float = 3e-4
+    actor_lr: Annotated[float | None, default("LEARNING_RATE: HalfCheetah 1e-3, else 3e-4")] = None
     """actor learning rate (AdamW)"""
-    critic_lr: float = 3e-4
+    critic_lr: Annotated[float | None, default("as --actor-lr")] = None
     """critic learning rate (AdamW)"""
     alpha_lr: float = 3e-4
     """temperature learning rate"""
@@ -213,18 +213,18 @@ VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
     "Ant": (-200.0, 1200.0), "InvertedPendulum": (0.0, 110.0),
-    "InvertedDoublePendulum": (0.0, 1000.0),
-}
+    "InvertedDoublePendulum": (0.0, 1000.0)}
 
-# --target-entropy's default per env family, in nats per action dimension in the [-1, 1]
-# box (a uniform policy has 0.69): the Humanoids learn sooner wide (docs/recipe.md).
+# Defaults per env family (a family a table lacks gets the DEFAULT_), measured in
+# docs/recipe.md: --target-entropy in nats per action dimension in the [-1, 1] box (uniform:
+# 0.69), wide on the Humanoids; --n-step, 3 on Hopper, Walker2d and Ant; --actor-lr and
+# --critic-lr, 1e-3 on HalfCheetah (Humanoid stands later with it).
 TARGET_ENTROPY = {"Humanoid": 0.42, "HumanoidStandup": 0.42}
 DEFAULT_TARGET_ENTROPY = -0.5
-
-# --n-step's default per env family. Measured (docs/recipe.md): 1 learns sooner on
-# HalfCheetah and Humanoid, 3 on Hopper, Walker2d and Ant.
 N_STEP = {"Hopper": 3, "Walker2d": 3, "Ant": 3}
 DEFAULT_N_STEP = 1
+LEARNING_RATE = {"HalfCheetah": 1e-3}
+DEFAULT_LEARNING_RATE = 3e-4
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=8, actor_hidden=256, critic_hidden=256)
@@ -1416,6 +1416,9 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         args.target_entropy = TARGET_ENTROPY.get(family, DEFAULT_TARGET_ENTROPY)
     if args.n_step is None:
         args.n_step = N_STEP.get(family, DEFAULT_N_STEP)
+    for lr in ("actor_lr", "critic_lr"):
+        if getattr(args, lr) is None:
+            setattr(args, lr, LEARNING_RATE.get(family, DEFAULT_LEARNING_RATE))
     # the fast path: all on with CUDA; on a CPU --compile where it pays (fast_path_default)
     # and --amp with it (bf16 was measured compiled), while prefetching and the device
     # mirror serve a GPU only

@@ -205,8 +205,7 @@ VALUE_RANGES = {
     "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
     "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
     "Ant": (-200.0, 1200.0), "InvertedPendulum": (0.0, 110.0),
-    "InvertedDoublePendulum": (0.0, 1000.0),
-}
+    "InvertedDoublePendulum": (0.0, 1000.0)}
 
 CPU_RECIPE = dict(num_envs=8, buffer_size=1_000_000, batch_size=256, learning_starts=5000,
                   steps_per_iter=8, updates_per_iter=8, actor_hidden=256, critic_hidden=256)

@@ -137,15 +137,18 @@ def test_recipe_defaults_fill_only_unset_fields():
 
 
 @pytest.mark.algorithm
-@pytest.mark.parametrize("env, n_step, target_entropy", [
-    ("Hopper", 3, -0.5), ("Walker2d", 3, -0.5), ("Ant", 3, -0.5), ("HalfCheetah", 1, -0.5),
-    ("Humanoid", 1, 0.42)])
-def test_family_defaults_fill_n_step_and_target_entropy_unless_given(env, n_step,
-                                                                     target_entropy):
+@pytest.mark.parametrize("env, n_step, target_entropy, lr", [
+    ("Hopper", 3, -0.5, 3e-4), ("Walker2d", 3, -0.5, 3e-4), ("Ant", 3, -0.5, 3e-4),
+    ("HalfCheetah", 1, -0.5, 1e-3), ("Humanoid", 1, 0.42, 3e-4), ("Pendulum", 1, -0.5, 3e-4)])
+def test_family_defaults_fill_n_step_target_entropy_and_lr_unless_given(env, n_step,
+                                                                        target_entropy, lr):
     args = fs.resolve_args(fs.Args(env=env, device="cpu"))
-    assert (args.n_step, args.target_entropy) == (n_step, target_entropy)
-    args = fs.resolve_args(fs.Args(env=env, device="cpu", n_step=2, target_entropy=0.0))
-    assert (args.n_step, args.target_entropy) == (2, 0.0)
+    assert (args.n_step, args.target_entropy, args.actor_lr, args.critic_lr) == (
+        n_step, target_entropy, lr, lr)
+    args = fs.resolve_args(fs.Args(env=env, device="cpu", n_step=2, target_entropy=0.0,
+                                   critic_lr=5e-4))
+    assert (args.n_step, args.target_entropy, args.actor_lr, args.critic_lr) == (
+        2, 0.0, lr, 5e-4)
 
 
 @pytest.mark.algorithm

@@ -281,7 +281,8 @@ def test_flags_given_on_resume_override_even_when_they_equal_the_defaults(tmp_pa
     assert saved["quiet"] is False and saved["save_interval"] == 100_000
     assert saved["log_interval"] == 10.0 and saved["critic_lr"] == 0.001
     assert [g["lr"] for g in final["critic_opt"]["param_groups"]] == [0.001]
-    actor_lr = script_module("fast_sac.py").Args().actor_lr  # (the default: 3e-4)
+    actor_lr = script_module("fast_sac.py").DEFAULT_LEARNING_RATE  # (Pendulum's: 3e-4)
+    assert saved["actor_lr"] == actor_lr
     assert [g["lr"] for g in final["actor_opt"]["param_groups"]] == [actor_lr]
 
 
