@@ -138,7 +138,7 @@ def test_recipe_defaults_fill_only_unset_fields():
 
 @pytest.mark.algorithm
 @pytest.mark.parametrize("env, n_step, target_entropy, lr", [
-    ("Hopper", 3, -0.5, 3e-4), ("Walker2d", 3, -0.5, 3e-4), ("Ant", 3, -0.5, 1e-3),
+    ("Hopper", 3, -0.5, 3e-4), ("Walker2d", 3, -0.5, 3e-4), ("Ant", 3, -0.5, 3e-4),
     ("HalfCheetah", 1, -0.5, 1e-3), ("Humanoid", 1, 0.42, 3e-4), ("Pendulum", 1, -0.5, 3e-4)])
 def test_family_defaults_fill_n_step_target_entropy_and_lr_unless_given(env, n_step,
                                                                         target_entropy, lr):
