@@ -208,10 +208,9 @@ class Args:
 # Support [v_min, v_max] of the C51 critics per env family: the discounted returns (about a
 # tenth of a 1000-step episode's return at gamma 0.99), with room above the best published
 # returns (HalfCheetah 15-17k, Humanoid 10-12k, Ant and Walker2d 6-8k, Hopper 4k).
-VALUE_RANGES = {
-    "Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0), "Humanoid": (-100.0, 1500.0),
-    "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0), "Walker2d": (-100.0, 1200.0),
-    "Ant": (-200.0, 1200.0), "InvertedPendulum": (0.0, 110.0),
+VALUE_RANGES = {"Pendulum": (-1700.0, 0.0), "HalfCheetah": (-200.0, 2500.0),
+    "Humanoid": (-100.0, 1500.0), "HumanoidStandup": (0.0, 20000.0), "Hopper": (-100.0, 600.0),
+    "Walker2d": (-100.0, 1200.0), "Ant": (-200.0, 1200.0), "InvertedPendulum": (0.0, 110.0),
     "InvertedDoublePendulum": (0.0, 1000.0)}
 
 # Defaults per env family (a family a table lacks gets the DEFAULT_), measured in
