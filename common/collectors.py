@@ -195,6 +195,12 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
     # learner is gone exits by itself, see _poll)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    # its own session, so that a SIGKILL to the learner's process group (torchrun sends one
+    # to a rank that outlives its SIGTERM by 30 s; `kill -9 -- -PGID`) leaves this process
+    # to find its learner gone and remove the shared memory, which the learner's resource
+    # tracker, killed with the group, no longer can
+    with contextlib.suppress(OSError):
+        os.setsid()
     with contextlib.suppress(OSError):  # the name that ps -e, top and pgrep show (15 bytes)
         Path("/proc/self/comm").write_text(mp.current_process().name[:15])
     # (the learner blocked both while it started this process, which inherits that mask: a
@@ -208,15 +214,16 @@ def collector_main(make_env, make_policy, args, index: int, rb_spec: dict, ws_sp
         _collect(make_env, make_policy, args, index, rb, ws, ctrl, parent, run_dir, start)
         ctrl.state = FINISHED
     except BaseException:
-        if parent is not None and not parent.is_alive():
-            for mem in (rb, ws, ctrl):  # the learner died without cleaning up
-                mem.unlink()
-        else:
+        if parent is None or parent.is_alive():
             ctrl.fail(traceback.format_exc())
         raise SystemExit(1) from None
     finally:
+        # the learner died without cleaning up (also after it asked this process to stop)
+        orphaned = parent is not None and not parent.is_alive()
         for mem in (rb, ws, ctrl):
             mem.close()
+            if orphaned:
+                mem.unlink()
 
 
 def _poll(read, ctrl: Control, parent):

@@ -254,17 +254,24 @@ def test_signal_after_the_output_pipe_closed(tmp_path, no_shm_leak):
             proc.kill()
 
 
-@pytest.mark.parametrize("script, collectors", [
-    ("fast_sac.py", 1), pytest.param("fast_sac_multigpu.py", 1, marks=pytest.mark.slow),
-    pytest.param("fast_sac.py", 2, marks=pytest.mark.slow)])
-def test_learner_killed_collector_exits_and_removes_memory(script, collectors, tmp_path):
+@pytest.mark.parametrize("script, collectors, target", [
+    ("fast_sac.py", 1, "learner"), ("fast_sac.py", 1, "group"),
+    pytest.param("fast_sac_multigpu.py", 1, "learner", marks=pytest.mark.slow),
+    pytest.param("fast_sac.py", 2, "learner", marks=pytest.mark.slow)])
+def test_learner_killed_collector_exits_and_removes_memory(script, collectors, target,
+                                                            tmp_path):
+    """SIGKILL to the learner alone, or to its whole process group (what torchrun sends a
+    rank that outlived its SIGTERM by 30 s; it kills the learner's resource tracker too)."""
     before = shm_files()
     proc, _ = start_run(tmp_path, script, "--num-envs", "2", "--num-collectors",
                         str(collectors))
     kids = children(proc.pid)
     assert len(kids) == collectors
     assert shm_files() - before  # the run's segments exist (owned by its living learner)
-    proc.kill()
+    if target == "group":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.kill()
     proc.wait()
     assert_all_gone(kids, before)  # no collector outlives its learner
 
