@@ -90,9 +90,9 @@ class Args:
     """soft target update rate: target <- target + tau * (online - target)"""
     n_step: int = 3
     """n-step returns, stopped at episode ends"""
-    actor_lr: float = 3e-4
-    """actor learning rate (AdamW)"""
-    critic_lr: float = 3e-4
+    actor_lr: Annotated[float | None, default("LEARNING_RATE: 1e-3 on Ant")] = None
+    """actor learning rate (AdamW); 3e-4 on an env family that LEARNING_RATE lacks"""
+    critic_lr: Annotated[float | None, default("as --actor-lr")] = None
     """critic learning rate (AdamW)"""
     weight_decay: float = 0.001
     """AdamW weight decay of actor and critics"""
@@ -213,6 +213,9 @@ GPU_RECIPE = dict(num_envs=32, buffer_size=1_000_000, batch_size=4096, learning_
 # What differs from CPU_RECIPE per env family: Hopper holds its return with more updates per
 # env step (docs/recipe.md, "fast_td3 on Hopper and Humanoid").
 CPU_FAMILY = {"Hopper": dict(updates_per_iter=16)}
+# Learning rates of actor and critics per env family, on either device (docs/recipe.md).
+LEARNING_RATE = {"Ant": 1e-3}
+DEFAULT_LEARNING_RATE = 3e-4
 
 
 # =======================================================================================
@@ -1239,7 +1242,9 @@ def resolve_args(args: Args, check_shm: bool = True) -> Args:
         args.device == "auto" and torch.cuda.is_available()) else "cpu"
     family = env_id.split("-v")[0]
     recipe = GPU_RECIPE if device == "cuda" else dict(CPU_RECIPE, **CPU_FAMILY.get(family, {}))
-    filled = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in recipe.items()}
+    lr = LEARNING_RATE.get(family, DEFAULT_LEARNING_RATE)  # (a given --actor-lr/--critic-lr wins)
+    filled = {k: (v if getattr(args, k) is None else getattr(args, k))
+              for k, v in dict(recipe, actor_lr=lr, critic_lr=lr).items()}
     if (args.v_min is None) != (args.v_max is None) and family not in VALUE_RANGES:
         raise ArgsError(f"{env_id} has no value range in VALUE_RANGES: give both --v-min and "
                         "--v-max, or neither (the critics' support then follows the returns "

@@ -83,3 +83,13 @@ def test_cpu_recipe_per_env_family_unless_given(env, updates):
     given = td3.resolve_args(td3.Args(env=env, device="cpu", updates_per_iter=4))
     assert given.updates_per_iter == 4
     assert td3.GPU_RECIPE["updates_per_iter"] == 32 != td3.CPU_FAMILY["Hopper"]["updates_per_iter"]
+
+
+@pytest.mark.parametrize("env, lr", [("Ant", 1e-3), ("HalfCheetah", 3e-4), ("Reacher", 3e-4)])
+def test_learning_rates_per_env_family_unless_given(env, lr):
+    """LEARNING_RATE sets both learning rates per env family, on either recipe; a given flag
+    wins for its network alone."""
+    args = td3.resolve_args(td3.Args(env=env, device="cpu"))
+    assert (args.actor_lr, args.critic_lr) == (lr, lr)
+    args = td3.resolve_args(td3.Args(env=env, device="cpu", critic_lr=5e-4))
+    assert (args.actor_lr, args.critic_lr) == (lr, 5e-4)
