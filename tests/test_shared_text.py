@@ -12,7 +12,7 @@ from conftest import ROOT, script_file
 # must be the same text
 VARIANT = {
     "fast_td3.py": {"Args", "resolve_args", "check_args", "Actor", "make_actor", "Explorer",
-                    "Learner", "fast_path_default"},
+                    "Learner", "fast_path_default", "LEARNING_RATE"},
     "fast_sac_multigpu.py": {"Args", "Learner", "train", "Run", "start_collectors",
                              "fold_in_new_rows", "log_iteration", "timers", "replay_ratio",
                              "evaluate_policy", "finish_run", "write_trace", "save_checkpoint",
