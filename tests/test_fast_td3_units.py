@@ -87,8 +87,8 @@ def test_cpu_recipe_per_env_family_unless_given(env, updates):
 
 @pytest.mark.parametrize("env, lr", [("Ant", 1e-3), ("HalfCheetah", 3e-4), ("Reacher", 3e-4)])
 def test_learning_rates_per_env_family_unless_given(env, lr):
-    """LEARNING_RATE sets both learning rates per env family, on either recipe; a given flag
-    wins for its network alone."""
+    """LEARNING_RATE sets both learning rates per env family (an env it lacks: the default);
+    a given flag wins for its network alone."""
     args = td3.resolve_args(td3.Args(env=env, device="cpu"))
     assert (args.actor_lr, args.critic_lr) == (lr, lr)
     args = td3.resolve_args(td3.Args(env=env, device="cpu", critic_lr=5e-4))
