@@ -232,23 +232,24 @@ def kernels_per_update(b: Bench, args) -> float:
 def matmul_peak(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> dict:
     """GFLOP/s of plain matmuls (m x k times k x n) on this device and these threads: the
     best of `shapes` is the peak."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {}
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(k, n, device=device).to(dtype)
-        reps = min(max(5, int(2e9 / (2 * m * k * n))), 2000)  # (a dry run's tiny shapes)
-        best = 0.0
-        for _ in range(3):  # (the best of three timings of `reps` matmuls)
-            for _ in range(2):
-                a @ w
-            if device == "cuda":
-                torch.cuda.synchronize()
+
+        def seconds(reps: int) -> float:
+            sync()
             t0 = time.perf_counter()
             for _ in range(reps):
                 a @ w
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+            sync()
+            return time.perf_counter() - t0
+
+        seconds(2)  # (warm-up)
+        # about 0.2 s a timing: bf16 where a CPU lacks it runs near 1 GFLOP/s, a GPU 1,000x
+        reps = min(max(1, int(0.2 / seconds(1))), 2000)
+        best = max(2 * m * k * n * reps / seconds(reps) / 1e9 for _ in range(3))  # (best of 3)
         out[f"{m}x{k}x{n}"] = round(best, 1)
     return out
 
